@@ -1,0 +1,53 @@
+"""aiopersist: fast, asynchronous, crash-safe deep-learning checkpoints.
+
+The implementation lives in private modules; this module only re-exports the public API.
+"""
+
+from __future__ import annotations
+
+from ._api import SaveInfo as SaveInfo
+from ._api import load as load
+from ._api import save as save
+from ._backends import IOBackend as IOBackend
+from ._backends import create_backend as create_backend
+from ._backends import open_backend as open_backend
+from ._backends import probe_io_uring as probe_io_uring
+from ._direct import DirectIOInfo as DirectIOInfo
+from ._direct import probe_directory as probe_directory
+from ._exceptions import AiopersistError as AiopersistError
+from ._exceptions import BackendUnavailableError as BackendUnavailableError
+from ._exceptions import CheckpointCorruptError as CheckpointCorruptError
+from ._exceptions import CheckpointExistsError as CheckpointExistsError
+from ._exceptions import CheckpointIOError as CheckpointIOError
+from ._exceptions import CheckpointNotFoundError as CheckpointNotFoundError
+from ._exceptions import DiskFullError as DiskFullError
+from ._exceptions import UnsupportedStateError as UnsupportedStateError
+from ._staging import StagingPool as StagingPool
+from ._stream import FileWriter as FileWriter
+from ._stream import read_segments as read_segments
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AiopersistError",
+    "BackendUnavailableError",
+    "CheckpointCorruptError",
+    "CheckpointExistsError",
+    "CheckpointIOError",
+    "CheckpointNotFoundError",
+    "DirectIOInfo",
+    "DiskFullError",
+    "FileWriter",
+    "IOBackend",
+    "SaveInfo",
+    "StagingPool",
+    "UnsupportedStateError",
+    "__version__",
+    "create_backend",
+    "load",
+    "open_backend",
+    "probe_directory",
+    "probe_io_uring",
+    "read_segments",
+    "save",
+]

@@ -1,0 +1,176 @@
+"""I/O backends: selection, the io_uring probe, and one shared backend per event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import platform
+import weakref
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+from .. import _knobs, _native
+from .._exceptions import BackendUnavailableError, CheckpointIOError
+from ._base import IOBackend, wait_uncancellable
+from ._threads import ThreadsBackend
+
+log = logging.getLogger("aiopersist")
+
+BackendName = Literal["auto", "io_uring", "threads"]
+BACKEND_NAMES: tuple[str, ...] = ("auto", "io_uring", "threads")
+
+
+@dataclass(frozen=True)
+class UringProbe:
+    """Whether io_uring works in this process, and if not, why."""
+
+    usable: bool
+    reason: str
+    liburing_version: str | None
+
+
+_probe_cache: UringProbe | None = None
+_fallback_logged = False
+
+
+def probe_io_uring() -> UringProbe:
+    """Check that io_uring really works here: build a ring and complete a NOP on it.
+
+    The kernel can refuse at several levels (``kernel.io_uring_disabled``, seccomp, gVisor
+    or an old kernel), so the only honest probe is to try. The answer is cached.
+    """
+    global _probe_cache
+    if _probe_cache is not None:
+        return _probe_cache
+    if not _native.has_liburing:
+        _probe_cache = UringProbe(False, _native.unavailable_reason or "native module missing", None)
+        return _probe_cache
+    from .._native import binding as uring
+
+    version = uring.liburing_version()
+    disabled = uring.io_uring_disabled_sysctl()
+    if disabled == 2:
+        _probe_cache = UringProbe(False, "disabled by the kernel (sysctl kernel.io_uring_disabled=2)", version)
+        return _probe_cache
+    try:
+        ring = uring.io_uring_queue_init(4)
+    except CheckpointIOError as exc:
+        hint = " (kernel.io_uring_disabled=1 restricts it to a group)" if disabled == 1 else ""
+        _probe_cache = UringProbe(False, f"the kernel refused to set up a ring: {exc}{hint}", version)
+        return _probe_cache
+    try:
+        sqe = uring.io_uring_get_sqe(ring)
+        if sqe is None:
+            raise RuntimeError("no submission entry on a fresh ring")
+        uring.io_uring_prep_nop(sqe)
+        uring.io_uring_sqe_set_data64(sqe, 42)
+        uring.io_uring_submit(ring)
+        user_data, res = uring.io_uring_wait_cqe(ring)
+        uring.io_uring_cqe_seen(ring)
+        if user_data != 42 or res != 0:
+            raise RuntimeError(f"NOP completed wrongly (user_data={user_data}, res={res})")
+    except (CheckpointIOError, RuntimeError) as exc:
+        _probe_cache = UringProbe(False, f"a ring was set up but did not complete a NOP: {exc}", version)
+        return _probe_cache
+    finally:
+        uring.io_uring_queue_exit(ring)
+    _probe_cache = UringProbe(True, f"io_uring works (liburing {version}, kernel {platform.release()})", version)
+    return _probe_cache
+
+
+def resolve_backend_name(name: str) -> str:
+    """Turn ``"auto"`` into the backend that works here; check explicit names.
+
+    ``"io_uring"`` when it is unusable raises :class:`BackendUnavailableError` with the
+    reason; ``"auto"`` falls back to ``"threads"`` and says so once in the log.
+    """
+    global _fallback_logged
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
+    if name == "threads":
+        return name
+    probe = probe_io_uring()
+    if probe.usable:
+        return "io_uring"
+    if name == "io_uring":
+        raise BackendUnavailableError(f"io_uring backend unavailable: {probe.reason}")
+    if not _fallback_logged:
+        _fallback_logged = True
+        log.warning("aiopersist: io_uring unavailable (%s); using the threads backend", probe.reason)
+    return "threads"
+
+
+def create_backend(name: str = "auto", *, queue_depth: int | None = None) -> IOBackend:
+    """A new backend owned by the caller (close it with ``aclose``). Call inside a running loop."""
+    resolved = resolve_backend_name(name)
+    depth = queue_depth if queue_depth is not None else _knobs.queue_depth()
+    if resolved == "io_uring":
+        from ._uring import UringBackend
+
+        return UringBackend(depth)
+    return ThreadsBackend(depth)
+
+
+@dataclass(eq=False)
+class _Shared:
+    backend: IOBackend
+    users: int = 0
+
+
+_shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, int], _Shared]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@contextlib.asynccontextmanager
+async def open_backend(name: str = "auto", *, queue_depth: int | None = None) -> AsyncIterator[IOBackend]:
+    """The event loop's shared backend of that kind: one ring per loop, however many
+    saves and loads run on it at once. Released when its last user leaves."""
+    resolved = resolve_backend_name(name)
+    depth = queue_depth if queue_depth is not None else _knobs.queue_depth()
+    loop = asyncio.get_running_loop()
+    table = _shared.setdefault(loop, {})
+    key = (resolved, depth)
+    entry = table.get(key)
+    if entry is None:
+        entry = table[key] = _Shared(create_backend(resolved, queue_depth=depth))
+    entry.users += 1
+    try:
+        yield entry.backend
+    finally:
+        entry.users -= 1
+        if entry.users == 0:
+            if table.get(key) is entry:
+                del table[key]
+            await entry.backend.aclose()
+
+
+def describe_platform() -> dict[str, str]:
+    """What ``aiopersist doctor`` reports about the kernel and the native module."""
+    probe = probe_io_uring()
+    return {
+        "kernel": f"{platform.system()} {platform.release()}",
+        "io_uring": "usable" if probe.usable else f"unusable: {probe.reason}",
+        "liburing": probe.liburing_version or "not built",
+        "native module": "built" if _native.has_liburing else f"unavailable: {_native.unavailable_reason}",
+        "auto backend": "io_uring" if probe.usable else "threads",
+        "queue depth": str(_knobs.queue_depth()),
+    }
+
+
+__all__ = [
+    "BACKEND_NAMES",
+    "BackendName",
+    "IOBackend",
+    "ThreadsBackend",
+    "UringProbe",
+    "create_backend",
+    "describe_platform",
+    "open_backend",
+    "probe_io_uring",
+    "resolve_backend_name",
+    "wait_uncancellable",
+]

@@ -1,0 +1,162 @@
+"""Direct I/O: which directories take ``O_DIRECT``, with what alignment, and aligned memory.
+
+``O_DIRECT`` bypasses the page cache, but the buffer address, the file offset and the
+length must all be multiples of the device's alignment. The kernel reports it through
+``statx(STATX_DIOALIGN)`` (Linux >= 6.1); when it cannot, 4096 is assumed. Whether a file
+system takes ``O_DIRECT`` at all (tmpfs does not) is probed once per device by writing a
+block to a scratch file.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from . import _knobs, _native
+from ._exceptions import from_os_error
+
+log = logging.getLogger("aiopersist")
+
+PAGE_SIZE = mmap.PAGESIZE
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+
+@dataclass(frozen=True)
+class DirectIOInfo:
+    """How files in one directory are written and read."""
+
+    directory: str
+    direct: bool
+    """``O_DIRECT`` works there; otherwise buffered I/O plus fsync."""
+    mem_align: int
+    offset_align: int
+    """Offsets and lengths of direct requests are multiples of this."""
+    source: str
+    """Where the alignment came from: ``statx`` or ``default``."""
+    reason: str
+    """Why direct I/O is or is not used (for ``aiopersist doctor`` and the log)."""
+
+    @property
+    def open_flags(self) -> int:
+        return O_DIRECT if self.direct else 0
+
+    def align_up(self, n: int) -> int:
+        a = self.offset_align
+        return -(-n // a) * a
+
+
+_cache: dict[int, DirectIOInfo] = {}
+_buffered_logged: set[int] = set()
+
+
+def _statx_alignment(path: str) -> tuple[int, int] | None:
+    if not _native.has_liburing:
+        return None
+    from ._native import binding
+
+    try:
+        return binding.statx_dioalign(path)
+    except OSError:
+        return None
+
+
+def probe_directory(directory: str | os.PathLike[str], *, refresh: bool = False) -> DirectIOInfo:
+    """Find out whether ``directory`` takes ``O_DIRECT`` and with which alignment.
+
+    Cached per device (``st_dev``). Raises :class:`~aiopersist.CheckpointIOError` when the
+    directory cannot be written at all.
+    """
+    path = os.path.abspath(os.fspath(directory))
+    try:
+        dev = os.stat(path).st_dev
+    except OSError as exc:
+        raise from_os_error(exc, "stat", path) from exc
+    if not refresh and dev in _cache:
+        cached = _cache[dev]
+        return DirectIOInfo(path, cached.direct, cached.mem_align, cached.offset_align, cached.source, cached.reason)
+
+    scratch = os.path.join(path, f".aiopersist-probe-{uuid.uuid4().hex}")
+    info: DirectIOInfo
+    try:
+        fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | O_DIRECT, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or not O_DIRECT:
+            raise from_os_error(exc, "open", scratch) from exc
+        info = DirectIOInfo(
+            path, False, PAGE_SIZE, 1, "default", "the file system refuses O_DIRECT (EINVAL at open)"
+        )
+    else:
+        try:
+            aligned = _statx_alignment(scratch)
+            if aligned is not None:
+                mem_align, offset_align = aligned
+                source = "statx"
+            else:
+                mem_align = offset_align = _knobs.DEFAULT_ALIGNMENT
+                source = "default"
+            info = _probe_write(fd, path, mem_align, offset_align, source)
+        finally:
+            os.close(fd)
+            os.unlink(scratch)
+    if not info.direct and dev not in _buffered_logged:
+        _buffered_logged.add(dev)
+        log.info("aiopersist: %s: %s; using buffered I/O plus fsync", path, info.reason)
+    _cache[dev] = info
+    return info
+
+
+def _probe_write(fd: int, path: str, mem_align: int, offset_align: int, source: str) -> DirectIOInfo:
+    if mem_align > PAGE_SIZE:
+        return DirectIOInfo(
+            path, False, mem_align, offset_align, source,
+            f"direct I/O needs {mem_align}-byte aligned memory, more than a page",
+        )
+    block = AlignedBuffer(max(offset_align, PAGE_SIZE))
+    try:
+        os.pwrite(fd, block.view, 0)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return DirectIOInfo(
+                path, False, mem_align, offset_align, source, "the file system refuses O_DIRECT writes (EINVAL)"
+            )
+        raise from_os_error(exc, "pwrite", path) from exc
+    finally:
+        block.close()
+    return DirectIOInfo(path, True, mem_align, offset_align, source, f"O_DIRECT works ({offset_align}-byte alignment from {source})")
+
+
+class AlignedBuffer:
+    """Page-aligned memory (an anonymous mapping), zero-filled, as bytes and as a tensor."""
+
+    def __init__(self, size: int) -> None:
+        if size <= 0:
+            raise ValueError(f"buffer size must be positive, got {size}")
+        self.size = size
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self._map)
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The same memory as a 1-D ``torch.uint8`` tensor (copies into it release the GIL)."""
+        if self._tensor is None:
+            self._tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        return self._tensor
+
+    def close(self) -> None:
+        """Unmap. Raises ``BufferError`` while anything (a request in flight) still uses it."""
+        self._tensor = None
+        self.view.release()
+        self._map.close()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"<AlignedBuffer {self.size} bytes>"

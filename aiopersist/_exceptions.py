@@ -1,0 +1,100 @@
+"""The exceptions aiopersist raises.
+
+Every error has one root, so ``except aiopersist.AiopersistError`` catches them all::
+
+    AiopersistError
+    ├── BackendUnavailableError        an I/O backend cannot be used here (and why)
+    ├── CheckpointIOError (OSError)    an I/O call failed; keeps errno and the file name
+    │   └── DiskFullError              ENOSPC / EDQUOT: the file system is full
+    ├── CheckpointNotFoundError (FileNotFoundError)
+    ├── CheckpointExistsError (FileExistsError)
+    ├── CheckpointCorruptError (ValueError)   what is on disk is not a valid checkpoint
+    └── UnsupportedStateError (TypeError)     the object to save holds something unstorable
+
+Lower-level errors (``OSError`` from the system, errno codes returned by io_uring) are
+mapped to these in one place, :func:`io_error`, and re-raised ``from`` the original.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class AiopersistError(Exception):
+    """Root of every exception raised by aiopersist."""
+
+
+class BackendUnavailableError(AiopersistError):
+    """The requested I/O backend cannot run on this machine; the message says why."""
+
+
+class CheckpointIOError(AiopersistError, OSError):
+    """An I/O operation failed.
+
+    It is an ``OSError``: ``errno``, ``strerror`` and ``filename`` are set as the system
+    reported them, and ``call`` names the operation that failed (for example
+    ``"io_uring write"`` or ``"open"``).
+    """
+
+    call: str | None
+
+    def __init__(
+        self, errno: int, strerror: str, filename: str | None = None, *, call: str | None = None
+    ) -> None:
+        if filename is None:
+            super().__init__(errno, strerror)
+        else:
+            super().__init__(errno, strerror, filename)
+        self.call = call
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{self.call}: {base}" if self.call else base
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_io_error, (type(self), self.errno, self.strerror, self.filename, self.call))
+
+
+class DiskFullError(CheckpointIOError):
+    """The file system ran out of space (``ENOSPC``) or quota (``EDQUOT``)."""
+
+
+class CheckpointNotFoundError(AiopersistError, FileNotFoundError):
+    """There is no checkpoint at the given path."""
+
+
+class CheckpointExistsError(AiopersistError, FileExistsError):
+    """A checkpoint already exists at the target path and ``overwrite`` was not given."""
+
+
+class CheckpointCorruptError(AiopersistError, ValueError):
+    """What is on disk is not a valid checkpoint: the message names the file and the fault."""
+
+
+class UnsupportedStateError(AiopersistError, TypeError):
+    """The object to save contains something aiopersist cannot store; names its path."""
+
+
+_DISK_FULL = {_errno.ENOSPC, _errno.EDQUOT}
+
+
+def _rebuild_io_error(
+    cls: type[CheckpointIOError], err: int, strerror: str, filename: str | None, call: str | None
+) -> CheckpointIOError:
+    return cls(err, strerror, filename, call=call)
+
+
+def io_error(err: int, call: str, filename: str | os.PathLike[str] | None = None) -> CheckpointIOError:
+    """Build the typed error for a failed I/O call that returned ``err`` (a positive errno)."""
+    cls = DiskFullError if err in _DISK_FULL else CheckpointIOError
+    name = os.fspath(filename) if filename is not None else None
+    return cls(err, os.strerror(err), name, call=call)
+
+
+def from_os_error(exc: OSError, call: str, filename: str | os.PathLike[str] | None = None) -> CheckpointIOError:
+    """Map an ``OSError`` from the standard library to aiopersist's typed error (to raise ``from exc``)."""
+    if isinstance(exc, CheckpointIOError):
+        return exc
+    err = exc.errno if exc.errno is not None else _errno.EIO
+    return io_error(err, call, filename if filename is not None else exc.filename)

@@ -1,0 +1,193 @@
+"""The on-disk format (pure: no I/O): safetensors headers and alignment arithmetic.
+
+A safetensors file is ``u64 little-endian N`` + ``N`` bytes of JSON header + the data
+section, where the header maps each tensor name to its dtype, shape and
+``[begin, end)`` byte offsets *relative to the data section*, tensors packed without
+gaps. aiopersist pads the JSON with spaces (which every safetensors reader accepts) so
+the data section starts on a :data:`DATA_ALIGNMENT` boundary: direct reads of the data
+can then land page-aligned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._exceptions import CheckpointCorruptError
+
+DATA_ALIGNMENT = 4096
+"""The data section of every file aiopersist writes starts at a multiple of this."""
+
+MAX_HEADER_BYTES = 100 * (1 << 20)
+"""Refuse headers longer than this (safetensors' own limit): a corrupt length field must
+not make the reader allocate gigabytes."""
+
+# safetensors dtype names <-> torch dtypes, for every dtype both sides know.
+_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype; ``KeyError`` if safetensors has none."""
+    return _DTYPE_NAMES[dtype]
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def supported_dtype(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPE_NAMES
+
+
+def align_up(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor in a safetensors file: where its bytes are, relative to the data section."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """Everything needed to write or read one safetensors file."""
+
+    header: bytes
+    """The length prefix plus the padded JSON: written first, exactly ``data_offset`` bytes."""
+    entries: tuple[TensorEntry, ...]
+    metadata: Mapping[str, str]
+
+    @property
+    def data_offset(self) -> int:
+        return len(self.header)
+
+    @property
+    def data_bytes(self) -> int:
+        return self.entries[-1].end if self.entries else 0
+
+    @property
+    def file_bytes(self) -> int:
+        return self.data_offset + self.data_bytes
+
+
+def layout_file(
+    tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    alignment: int = DATA_ALIGNMENT,
+) -> FileLayout:
+    """Lay out tensors (in the given order) in one safetensors file with an aligned data section."""
+    entries: list[TensorEntry] = []
+    header: dict[str, Any] = {}
+    if metadata:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError(f"safetensors metadata must map str to str, got {k!r}: {v!r}")
+        header["__metadata__"] = dict(metadata)
+    pos = 0
+    for name, dtype, shape in tensors:
+        if name in header:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        shp = tuple(int(s) for s in shape)
+        nbytes = math.prod(shp) * dtype.itemsize
+        entry = TensorEntry(name, dtype, shp, pos, pos + nbytes)
+        entries.append(entry)
+        header[name] = {"dtype": dtype_name(dtype), "shape": list(shp), "data_offsets": [entry.begin, entry.end]}
+        pos += nbytes
+    body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    total = align_up(8 + len(body), alignment)
+    padded = body + b" " * (total - 8 - len(body))
+    return FileLayout(struct.pack("<Q", len(padded)) + padded, tuple(entries), dict(metadata or {}))
+
+
+def header_length(prefix: bytes, file_size: int, name: str) -> int:
+    """Validate the 8-byte length prefix of a safetensors file; returns the JSON length."""
+    if len(prefix) < 8 or file_size < 8:
+        raise CheckpointCorruptError(f"{name}: too short to be a safetensors file ({file_size} bytes)")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise CheckpointCorruptError(f"{name}: header length {n} is absurd (limit {MAX_HEADER_BYTES})")
+    if 8 + n > file_size:
+        raise CheckpointCorruptError(f"{name}: header length {n} runs past the end of the file ({file_size} bytes)")
+    return int(n)
+
+
+def parse_header(header_json: bytes, file_size: int, name: str) -> FileLayout:
+    """Parse and check a safetensors JSON header (the bytes after the length prefix).
+
+    Raises :class:`CheckpointCorruptError` naming ``name`` for anything malformed: bad
+    JSON, unknown dtype, offsets out of order, overlapping, gapped or past the end.
+    """
+    try:
+        raw = json.loads(header_json.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointCorruptError(f"{name}: header is not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointCorruptError(f"{name}: header is not a JSON object")
+    metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointCorruptError(f"{name}: __metadata__ must map strings to strings")
+    data_offset = 8 + len(header_json)
+    entries: list[TensorEntry] = []
+    for key, spec in raw.items():
+        try:
+            dtype = dtype_from_name(spec["dtype"])
+            shape = tuple(spec["shape"])
+            begin, end = spec["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"{name}: bad header entry for tensor {key!r}: {spec!r}") from exc
+        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            raise CheckpointCorruptError(f"{name}: tensor {key!r} has an invalid shape {list(shape)}")
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise CheckpointCorruptError(f"{name}: tensor {key!r} has invalid offsets {[begin, end]}")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointCorruptError(
+                f"{name}: tensor {key!r} offsets {[begin, end]} do not match its shape {list(shape)} and dtype"
+            )
+        entries.append(TensorEntry(key, dtype, shape, begin, end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    pos = 0
+    for e in entries:
+        if e.begin != pos:
+            raise CheckpointCorruptError(f"{name}: tensor {e.name!r} starts at {e.begin}, expected {pos} (gap or overlap)")
+        pos = e.end
+    if data_offset + pos != file_size:
+        raise CheckpointCorruptError(
+            f"{name}: data section should end at byte {data_offset + pos} but the file has {file_size} bytes"
+        )
+    header = struct.pack("<Q", len(header_json)) + header_json
+    return FileLayout(header, tuple(entries), metadata)

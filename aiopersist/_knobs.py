@@ -1,0 +1,48 @@
+"""Tunables, in one place.
+
+Each knob has a default and an ``AIOPERSIST_*`` environment override (read when the knob
+is asked for, so tests can set it); an explicit argument to an API always wins.
+"""
+
+from __future__ import annotations
+
+import os
+
+_MiB = 1 << 20
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+    if value <= 0:
+        raise ValueError(f"environment variable {name}={raw!r} must be positive")
+    return value
+
+
+def queue_depth() -> int:
+    """Requests in flight per ring (and worker threads for the threads backend)."""
+    return _env_int("AIOPERSIST_QUEUE_DEPTH", 32)
+
+
+def chunk_bytes() -> int:
+    """Size of one staging buffer, and so of one write or read request."""
+    return _env_int("AIOPERSIST_CHUNK_BYTES", 4 * _MiB)
+
+
+def staging_buffers() -> int:
+    """Staging buffers per file stream: one fills while the others are written."""
+    return _env_int("AIOPERSIST_STAGING_BUFFERS", 8)
+
+
+def native_enabled() -> bool:
+    """``AIOPERSIST_NATIVE=0`` turns the compiled io_uring module off, as if it were not built."""
+    return os.environ.get("AIOPERSIST_NATIVE", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+DEFAULT_ALIGNMENT = 4096
+"""Direct-I/O alignment assumed when the kernel does not report one (``STATX_DIOALIGN``)."""

@@ -1,0 +1,232 @@
+"""Sequential file streams through a backend and a staging pool.
+
+:class:`FileWriter` copies the caller's bytes into aligned staging buffers; every full
+buffer becomes one write request while the next buffer fills (double buffering, up to
+the pool's size in flight). The unaligned tail is written padded with zeros and the file
+truncated to its exact length. :func:`read_segments` does the reverse: aligned windows
+are read, several in flight, and each is copied into the destinations it overlaps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._backends import IOBackend
+from ._direct import AlignedBuffer, DirectIOInfo
+from ._exceptions import CheckpointCorruptError, from_os_error
+from ._staging import StagingPool
+
+Bytes = bytes | bytearray | memoryview
+
+
+def as_bytes_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D ``uint8`` view of a CPU tensor's bytes (a contiguous copy if it is not contiguous)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"expected a CPU tensor, got one on {t.device}")
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+async def settle(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Wait until every task has finished, even if the caller is cancelled meanwhile."""
+    cancelled = False
+    pending = [t for t in tasks if not t.done()]
+    while pending:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+        pending = [t for t in pending if not t.done()]
+    if cancelled:
+        raise asyncio.CancelledError()
+
+
+class FileWriter:
+    """Writes one new file from a stream of byte chunks; see the module docstring.
+
+    Use ``await open()``, ``await write(...)`` any number of times, then ``await finish()``
+    (fsync included) or ``await abort()``. As an async context manager it finishes on
+    success and aborts on error.
+    """
+
+    def __init__(self, backend: IOBackend, path: str | os.PathLike[str], dio: DirectIOInfo, pool: StagingPool):
+        if dio.direct and pool.buffer_bytes % dio.offset_align:
+            raise ValueError(
+                f"staging buffers of {pool.buffer_bytes} bytes are not a multiple of the "
+                f"{dio.offset_align}-byte direct-I/O alignment of {dio.directory}"
+            )
+        self.path = os.fspath(path)
+        self._backend = backend
+        self._dio = dio
+        self._pool = pool
+        self._fd: int | None = None
+        self._buf: AlignedBuffer | None = None
+        self._fill = 0
+        self._offset = 0  # file offset of the current buffer
+        self._pending: list[asyncio.Task[int]] = []
+        self.bytes_written = 0
+
+    async def open(self) -> FileWriter:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._dio.open_flags
+        self._fd = await self._backend.open(self.path, flags, 0o644)
+        return self
+
+    async def __aenter__(self) -> FileWriter:
+        return await self.open()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            await self.finish()
+        else:
+            await self.abort()
+
+    def _raise_failed(self) -> None:
+        still: list[asyncio.Task[int]] = []
+        for task in self._pending:
+            if not task.done():
+                still.append(task)
+            elif not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        self._pending = still
+
+    async def write(self, data: torch.Tensor | Bytes) -> None:
+        """Append ``data`` (a CPU tensor's bytes, or a bytes-like object) to the file."""
+        if isinstance(data, torch.Tensor):
+            src: torch.Tensor | memoryview = as_bytes_tensor(data)
+        else:
+            src = memoryview(data).cast("B")
+        n = len(src)
+        pos = 0
+        while pos < n:
+            if self._buf is None:
+                self._raise_failed()
+                self._buf = await self._pool.acquire()
+                self._fill = 0
+            buf = self._buf
+            take = min(n - pos, buf.size - self._fill)
+            if isinstance(src, torch.Tensor):
+                buf.tensor[self._fill : self._fill + take].copy_(src[pos : pos + take])
+            else:
+                buf.view[self._fill : self._fill + take] = src[pos : pos + take]
+            self._fill += take
+            pos += take
+            self.bytes_written += take
+            if self._fill == buf.size:
+                self._launch(buf.size)
+
+    def _launch(self, length: int) -> None:
+        assert self._buf is not None and self._fd is not None
+        buf = self._buf
+        task = asyncio.ensure_future(self._backend.write(self._fd, buf.view[:length], self._offset))
+        # The buffer goes back to the pool only once the request is over, whatever the
+        # task's fate: that is what makes sharing one pool between writers safe.
+        task.add_done_callback(lambda _t: self._pool.release(buf))
+        self._pending.append(task)
+        self._offset += length
+        self._buf = None
+        self._fill = 0
+
+    async def finish(self) -> int:
+        """Write the tail, wait for every request, set the exact size, fsync, close."""
+        assert self._fd is not None, "open() first"
+        padded = False
+        if self._buf is not None and self._fill:
+            length = self._fill
+            if self._dio.direct:
+                length = self._dio.align_up(self._fill)
+                padded = length != self._fill
+                self._buf.view[self._fill : length] = bytes(length - self._fill)
+            self._launch(length)
+        elif self._buf is not None:
+            self._pool.release(self._buf)
+            self._buf = None
+        try:
+            await settle(self._pending)
+            self._raise_failed()
+            if padded:
+                try:
+                    os.ftruncate(self._fd, self.bytes_written)
+                except OSError as exc:
+                    raise from_os_error(exc, "ftruncate", self.path) from exc
+            await self._backend.fsync(self._fd)
+        except BaseException:
+            await self.abort()
+            raise
+        fd, self._fd = self._fd, None
+        await self._backend.close(fd)
+        return self.bytes_written
+
+    async def abort(self) -> None:
+        """Stop: wait for requests in flight (their buffers), close the file. Keeps the file."""
+        if self._buf is not None:
+            self._pool.release(self._buf)
+            self._buf = None
+        pending, self._pending = self._pending, []
+        await settle(pending)
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            await self._backend.close(fd)
+
+
+async def read_segments(
+    backend: IOBackend,
+    path: str | os.PathLike[str],
+    dio: DirectIOInfo,
+    pool: StagingPool,
+    segments: Sequence[tuple[int, torch.Tensor]],
+) -> None:
+    """Fill each ``(file_offset, dest)`` with the file's bytes at that offset.
+
+    ``dest`` is a 1-D ``uint8`` CPU tensor (often a byte view of the tensor being loaded).
+    Segments must not overlap. The file is read in aligned windows of the pool's buffer
+    size, as many in flight as the pool has buffers.
+    """
+    name = os.fspath(path)
+    segs = sorted((off, d) for off, d in segments if d.numel() > 0)
+    if not segs:
+        return
+    starts = [off for off, _ in segs]
+    first = segs[0][0]
+    last = max(off + d.numel() for off, d in segs)
+    align = dio.offset_align if dio.direct else 1
+    window = pool.buffer_bytes
+    begin = first - first % align
+    limit = dio.align_up(last) if dio.direct else last
+    fd = await backend.open(name, os.O_RDONLY | dio.open_flags)
+    try:
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as exc:
+            raise from_os_error(exc, "fstat", name) from exc
+        if last > size:
+            raise CheckpointCorruptError(f"{name}: file is truncated ({size} bytes, data needs {last})")
+
+        async def one(ws: int) -> None:
+            we = min(ws + window, limit)
+            want = min(we, last) - ws
+            buf = await pool.acquire()
+            try:
+                got = await backend.read(fd, buf.view[: we - ws], ws)
+                if got < want:
+                    raise CheckpointCorruptError(f"{name}: file shrank while reading (short read at {ws})")
+                i = max(bisect.bisect_right(starts, ws) - 1, 0)
+                while i < len(segs) and segs[i][0] < we:
+                    off, dest = segs[i]
+                    lo, hi = max(ws, off), min(we, off + dest.numel())
+                    if lo < hi:
+                        dest[lo - off : hi - off].copy_(buf.tensor[lo - ws : hi - ws])
+                    i += 1
+            finally:
+                pool.release(buf)
+
+        async with asyncio.TaskGroup() as tg:
+            for ws in range(begin, last, window):
+                tg.create_task(one(ws))
+    finally:
+        await backend.close(fd)
