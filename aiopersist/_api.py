@@ -7,6 +7,7 @@ I/O and published atomically; ``load`` reads such a directory or any safetensors
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ import torch
 
 from ._backends import open_backend
 from ._commit import atomic_directory
-from ._direct import probe_directory
+from ._direct import DirectIOInfo, probe_directory, probe_file_for_read
 from ._exceptions import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedStateError
 from ._format import header_length, layout_file, parse_header, supported_dtype
 from ._staging import StagingPool
@@ -54,7 +55,9 @@ def _check_state(obj: object) -> list[tuple[str, torch.Tensor]]:
         if not isinstance(value, torch.Tensor):
             raise UnsupportedStateError(f"{where}: expected a tensor, got {type(value).__name__}")
         if value.device.type != "cpu":
-            raise UnsupportedStateError(f"{where}: tensor is on {value.device}; only CPU tensors are supported yet")
+            raise UnsupportedStateError(
+                f"{where}: tensor is on {value.device}; only CPU tensors are supported yet"
+            )
         if value.layout != torch.strided:
             raise UnsupportedStateError(f"{where}: {value.layout} tensors are not supported")
         if not supported_dtype(value.dtype):
@@ -75,18 +78,17 @@ async def save(
 
     Durable when it returns: the file and the directory are fsynced and the directory is
     renamed into place. An existing ``path`` raises
-    :class:`~aiopersist.CheckpointExistsError` unless ``overwrite=True``, which replaces
+    [`CheckpointExistsError`][aiopersist.CheckpointExistsError] unless ``overwrite=True``, which replaces
     it only once the new checkpoint is durable.
     """
     items = _check_state(obj)
     start = time.perf_counter()
-    target = os.path.abspath(os.fspath(path))
     layout = layout_file([(k, t.dtype, t.shape) for k, t in items], metadata)
     pool = StagingPool()
     try:
-        async with open_backend(backend) as be, atomic_directory(target, overwrite=overwrite) as tmp:
-            dio = probe_directory(tmp)
-            async with FileWriter(be, os.path.join(tmp, MODEL_FILE), dio, pool) as writer:
+        async with open_backend(backend) as be, atomic_directory(path, overwrite=overwrite) as pending:
+            dio = await asyncio.to_thread(probe_directory, pending.tmp)
+            async with FileWriter(be, os.path.join(pending.tmp, MODEL_FILE), dio, pool) as writer:
                 await writer.write(layout.header)
                 for _, tensor in items:
                     await writer.write(tensor)
@@ -94,7 +96,13 @@ async def save(
             backend_name = be.name
     finally:
         pool.close()
-    return SaveInfo(target, written, (MODEL_FILE,), time.perf_counter() - start, backend_name)
+    return SaveInfo(pending.final, written, (MODEL_FILE,), time.perf_counter() - start, backend_name)
+
+
+def _locate(path: str | os.PathLike[str]) -> tuple[str, DirectIOInfo, int]:
+    """The safetensors file to read, how to read it, and its size."""
+    name = _resolve_file(os.path.abspath(os.fspath(path)))
+    return name, probe_file_for_read(name), os.stat(name).st_size
 
 
 def _resolve_file(path: str) -> str:
@@ -109,13 +117,11 @@ def _resolve_file(path: str) -> str:
 
 
 async def load(path: str | os.PathLike[str], *, backend: str = "auto") -> dict[str, torch.Tensor]:
-    """Load a checkpoint saved by :func:`save` (or any safetensors file) as a dict of CPU tensors."""
-    name = _resolve_file(os.path.abspath(os.fspath(path)))
-    dio = probe_directory(os.path.dirname(name))
+    """Load a checkpoint saved by `save` (or any safetensors file) as a dict of CPU tensors."""
+    name, dio, size = await asyncio.to_thread(_locate, path)
     pool = StagingPool()
     try:
         async with open_backend(backend) as be:
-            size = os.stat(name).st_size
             fd = await be.open(name, os.O_RDONLY)
             try:
                 prefix = bytearray(8)

@@ -3,7 +3,7 @@
 A checkpoint is written into a temporary directory beside its final name, every file is
 fsynced, then the directory, then it is renamed into place and the parent is fsynced.
 A crash at any point leaves either nothing or a complete checkpoint under the final name;
-leftover temporary directories carry :data:`TMP_MARKER` in their name.
+leftover temporary directories carry `TMP_MARKER` in their name.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import os
 import shutil
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
+from ._backends import wait_uncancellable
 from ._exceptions import CheckpointExistsError, from_os_error
 
 TMP_MARKER = ".aiopersist-tmp-"
@@ -59,14 +61,15 @@ def _publish(tmp: str, final: str, overwrite: bool) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-@contextlib.asynccontextmanager
-async def atomic_directory(final: str | os.PathLike[str], *, overwrite: bool = False) -> AsyncIterator[str]:
-    """Yield a fresh temporary directory; on success publish it as ``final`` atomically.
+@dataclass(frozen=True)
+class PendingDirectory:
+    """A checkpoint being written: files go into ``tmp``; ``final`` is where it will appear."""
 
-    On error or cancellation the temporary directory is removed and nothing under
-    ``final`` changes. ``overwrite=False`` and an existing ``final`` raise
-    :class:`~aiopersist.CheckpointExistsError` before anything is written.
-    """
+    tmp: str
+    final: str
+
+
+def _make_temp(final: str | os.PathLike[str], overwrite: bool) -> PendingDirectory:
     target = os.path.abspath(os.fspath(final))
     parent = os.path.dirname(target)
     if os.path.lexists(target) and not overwrite:
@@ -77,9 +80,27 @@ async def atomic_directory(final: str | os.PathLike[str], *, overwrite: bool = F
         os.mkdir(tmp)
     except OSError as exc:
         raise from_os_error(exc, "mkdir", parent) from exc
+    return PendingDirectory(tmp, target)
+
+
+@contextlib.asynccontextmanager
+async def atomic_directory(
+    final: str | os.PathLike[str], *, overwrite: bool = False
+) -> AsyncIterator[PendingDirectory]:
+    """Yield a fresh temporary directory; on success publish it as ``final`` atomically.
+
+    On error or cancellation the temporary directory is removed and nothing under
+    ``final`` changes. ``overwrite=False`` and an existing ``final`` raise
+    [`CheckpointExistsError`][aiopersist.CheckpointExistsError] before anything is written.
+    """
+    pending = await asyncio.to_thread(_make_temp, final, overwrite)
     try:
-        yield tmp
-        await asyncio.to_thread(_publish, tmp, target, overwrite)
+        yield pending
+        # Publication runs to its end even if we are cancelled meanwhile: the worker
+        # thread would go on renaming while the cleanup below deleted its files.
+        await wait_uncancellable(
+            asyncio.ensure_future(asyncio.to_thread(_publish, pending.tmp, pending.final, overwrite))
+        )
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(pending.tmp, ignore_errors=True)
         raise

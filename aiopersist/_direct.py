@@ -9,6 +9,7 @@ block to a scratch file.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import mmap
@@ -69,7 +70,7 @@ def _statx_alignment(path: str) -> tuple[int, int] | None:
 def probe_directory(directory: str | os.PathLike[str], *, refresh: bool = False) -> DirectIOInfo:
     """Find out whether ``directory`` takes ``O_DIRECT`` and with which alignment.
 
-    Cached per device (``st_dev``). Raises :class:`~aiopersist.CheckpointIOError` when the
+    Cached per device (``st_dev``). Raises [`CheckpointIOError`][aiopersist.CheckpointIOError] when the
     directory cannot be written at all.
     """
     path = os.path.abspath(os.fspath(directory))
@@ -77,9 +78,13 @@ def probe_directory(directory: str | os.PathLike[str], *, refresh: bool = False)
         dev = os.stat(path).st_dev
     except OSError as exc:
         raise from_os_error(exc, "stat", path) from exc
+    if not _knobs.direct_io_enabled():
+        return DirectIOInfo(
+            path, False, PAGE_SIZE, 1, "default", "direct I/O switched off (AIOPERSIST_DIRECT_IO=0)"
+        )
     if not refresh and dev in _cache:
         cached = _cache[dev]
-        return DirectIOInfo(path, cached.direct, cached.mem_align, cached.offset_align, cached.source, cached.reason)
+        return dataclasses.replace(cached, directory=path)
 
     scratch = os.path.join(path, f".aiopersist-probe-{uuid.uuid4().hex}")
     info: DirectIOInfo
@@ -111,10 +116,76 @@ def probe_directory(directory: str | os.PathLike[str], *, refresh: bool = False)
     return info
 
 
+def probe_file_for_read(path: str | os.PathLike[str]) -> DirectIOInfo:
+    """Like `probe_directory`, for reading an existing file: needs no write access.
+
+    Opens the file itself with ``O_DIRECT`` and reads its first block. Shares the
+    per-device cache with `probe_directory`.
+    """
+    name = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(name)
+    if not _knobs.direct_io_enabled():
+        return DirectIOInfo(
+            directory, False, PAGE_SIZE, 1, "default", "direct I/O switched off (AIOPERSIST_DIRECT_IO=0)"
+        )
+    try:
+        dev = os.stat(name).st_dev
+    except OSError as exc:
+        raise from_os_error(exc, "stat", name) from exc
+    if dev in _cache:
+        return dataclasses.replace(_cache[dev], directory=directory)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or not O_DIRECT:
+            raise from_os_error(exc, "open", name) from exc
+        return DirectIOInfo(
+            directory, False, PAGE_SIZE, 1, "default", "the file system refuses O_DIRECT (EINVAL at open)"
+        )
+    try:
+        aligned = _statx_alignment(name)
+        mem_align, offset_align = aligned if aligned is not None else (_knobs.DEFAULT_ALIGNMENT,) * 2
+        source = "statx" if aligned is not None else "default"
+        if mem_align > PAGE_SIZE:
+            return DirectIOInfo(
+                directory, False, mem_align, offset_align, source, "alignment larger than a page"
+            )
+        block = AlignedBuffer(max(offset_align, PAGE_SIZE))
+        try:
+            os.preadv(fd, [block.view], 0)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                return DirectIOInfo(
+                    directory,
+                    False,
+                    mem_align,
+                    offset_align,
+                    source,
+                    "the file system refuses O_DIRECT reads",
+                )
+            raise from_os_error(exc, "preadv", name) from exc
+        finally:
+            block.close()
+    finally:
+        os.close(fd)
+    return DirectIOInfo(
+        directory,
+        True,
+        mem_align,
+        offset_align,
+        source,
+        f"O_DIRECT works ({offset_align}-byte alignment from {source})",
+    )
+
+
 def _probe_write(fd: int, path: str, mem_align: int, offset_align: int, source: str) -> DirectIOInfo:
     if mem_align > PAGE_SIZE:
         return DirectIOInfo(
-            path, False, mem_align, offset_align, source,
+            path,
+            False,
+            mem_align,
+            offset_align,
+            source,
             f"direct I/O needs {mem_align}-byte aligned memory, more than a page",
         )
     block = AlignedBuffer(max(offset_align, PAGE_SIZE))
@@ -123,12 +194,24 @@ def _probe_write(fd: int, path: str, mem_align: int, offset_align: int, source: 
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return DirectIOInfo(
-                path, False, mem_align, offset_align, source, "the file system refuses O_DIRECT writes (EINVAL)"
+                path,
+                False,
+                mem_align,
+                offset_align,
+                source,
+                "the file system refuses O_DIRECT writes (EINVAL)",
             )
         raise from_os_error(exc, "pwrite", path) from exc
     finally:
         block.close()
-    return DirectIOInfo(path, True, mem_align, offset_align, source, f"O_DIRECT works ({offset_align}-byte alignment from {source})")
+    return DirectIOInfo(
+        path,
+        True,
+        mem_align,
+        offset_align,
+        source,
+        f"O_DIRECT works ({offset_align}-byte alignment from {source})",
+    )
 
 
 class AlignedBuffer:

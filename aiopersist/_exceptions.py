@@ -12,7 +12,7 @@ Every error has one root, so ``except aiopersist.AiopersistError`` catches them 
     └── UnsupportedStateError (TypeError)     the object to save holds something unstorable
 
 Lower-level errors (``OSError`` from the system, errno codes returned by io_uring) are
-mapped to these in one place, :func:`io_error`, and re-raised ``from`` the original.
+mapped to these in one place, `io_error`, and re-raised ``from`` the original.
 """
 
 from __future__ import annotations
@@ -92,7 +92,9 @@ def io_error(err: int, call: str, filename: str | os.PathLike[str] | None = None
     return cls(err, os.strerror(err), name, call=call)
 
 
-def from_os_error(exc: OSError, call: str, filename: str | os.PathLike[str] | None = None) -> CheckpointIOError:
+def from_os_error(
+    exc: OSError, call: str, filename: str | os.PathLike[str] | None = None
+) -> CheckpointIOError:
     """Map an ``OSError`` from the standard library to aiopersist's typed error (to raise ``from exc``)."""
     if isinstance(exc, CheckpointIOError):
         return exc

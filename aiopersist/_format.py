@@ -4,7 +4,7 @@ A safetensors file is ``u64 little-endian N`` + ``N`` bytes of JSON header + the
 section, where the header maps each tensor name to its dtype, shape and
 ``[begin, end)`` byte offsets *relative to the data section*, tensors packed without
 gaps. aiopersist pads the JSON with spaces (which every safetensors reader accepts) so
-the data section starts on a :data:`DATA_ALIGNMENT` boundary: direct reads of the data
+the data section starts on a `DATA_ALIGNMENT` boundary: direct reads of the data
 can then land page-aligned.
 """
 
@@ -126,7 +126,11 @@ def layout_file(
         nbytes = math.prod(shp) * dtype.itemsize
         entry = TensorEntry(name, dtype, shp, pos, pos + nbytes)
         entries.append(entry)
-        header[name] = {"dtype": dtype_name(dtype), "shape": list(shp), "data_offsets": [entry.begin, entry.end]}
+        header[name] = {
+            "dtype": dtype_name(dtype),
+            "shape": list(shp),
+            "data_offsets": [entry.begin, entry.end],
+        }
         pos += nbytes
     body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     total = align_up(8 + len(body), alignment)
@@ -142,14 +146,16 @@ def header_length(prefix: bytes, file_size: int, name: str) -> int:
     if n > MAX_HEADER_BYTES:
         raise CheckpointCorruptError(f"{name}: header length {n} is absurd (limit {MAX_HEADER_BYTES})")
     if 8 + n > file_size:
-        raise CheckpointCorruptError(f"{name}: header length {n} runs past the end of the file ({file_size} bytes)")
+        raise CheckpointCorruptError(
+            f"{name}: header length {n} runs past the end of the file ({file_size} bytes)"
+        )
     return int(n)
 
 
 def parse_header(header_json: bytes, file_size: int, name: str) -> FileLayout:
     """Parse and check a safetensors JSON header (the bytes after the length prefix).
 
-    Raises :class:`CheckpointCorruptError` naming ``name`` for anything malformed: bad
+    Raises `CheckpointCorruptError` naming ``name`` for anything malformed: bad
     JSON, unknown dtype, offsets out of order, overlapping, gapped or past the end.
     """
     try:
@@ -176,14 +182,17 @@ def parse_header(header_json: bytes, file_size: int, name: str) -> FileLayout:
             raise CheckpointCorruptError(f"{name}: tensor {key!r} has invalid offsets {[begin, end]}")
         if end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointCorruptError(
-                f"{name}: tensor {key!r} offsets {[begin, end]} do not match its shape {list(shape)} and dtype"
+                f"{name}: tensor {key!r} offsets {[begin, end]} do not match "
+                f"its shape {list(shape)} and dtype"
             )
         entries.append(TensorEntry(key, dtype, shape, begin, end))
     entries.sort(key=lambda e: (e.begin, e.end))
     pos = 0
     for e in entries:
         if e.begin != pos:
-            raise CheckpointCorruptError(f"{name}: tensor {e.name!r} starts at {e.begin}, expected {pos} (gap or overlap)")
+            raise CheckpointCorruptError(
+                f"{name}: tensor {e.name!r} starts at {e.begin}, expected {pos} (gap or overlap)"
+            )
         pos = e.end
     if data_offset + pos != file_size:
         raise CheckpointCorruptError(

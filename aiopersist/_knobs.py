@@ -46,3 +46,8 @@ def native_enabled() -> bool:
 
 DEFAULT_ALIGNMENT = 4096
 """Direct-I/O alignment assumed when the kernel does not report one (``STATX_DIOALIGN``)."""
+
+
+def direct_io_enabled() -> bool:
+    """``AIOPERSIST_DIRECT_IO=0`` forces buffered I/O plus fsync even where ``O_DIRECT`` works."""
+    return os.environ.get("AIOPERSIST_DIRECT_IO", "1").strip().lower() not in {"0", "false", "no", "off"}

@@ -1,9 +1,9 @@
 """Sequential file streams through a backend and a staging pool.
 
-:class:`FileWriter` copies the caller's bytes into aligned staging buffers; every full
+`FileWriter` copies the caller's bytes into aligned staging buffers; every full
 buffer becomes one write request while the next buffer fills (double buffering, up to
 the pool's size in flight). The unaligned tail is written padded with zeros and the file
-truncated to its exact length. :func:`read_segments` does the reverse: aligned windows
+truncated to its exact length. `read_segments` does the reverse: aligned windows
 are read, several in flight, and each is copied into the destinations it overlaps.
 """
 
@@ -43,6 +43,9 @@ async def settle(tasks: Sequence[asyncio.Task[Any]]) -> None:
         except asyncio.CancelledError:
             cancelled = True
         pending = [t for t in pending if not t.done()]
+    for t in tasks:  # mark every failure as seen; the caller reports the first one
+        if not t.cancelled():
+            t.exception()
     if cancelled:
         raise asyncio.CancelledError()
 
@@ -55,7 +58,9 @@ class FileWriter:
     success and aborts on error.
     """
 
-    def __init__(self, backend: IOBackend, path: str | os.PathLike[str], dio: DirectIOInfo, pool: StagingPool):
+    def __init__(
+        self, backend: IOBackend, path: str | os.PathLike[str], dio: DirectIOInfo, pool: StagingPool
+    ):
         if dio.direct and pool.buffer_bytes % dio.offset_align:
             raise ValueError(
                 f"staging buffers of {pool.buffer_bytes} bytes are not a multiple of the "
@@ -87,13 +92,17 @@ class FileWriter:
             await self.abort()
 
     def _raise_failed(self) -> None:
+        """Forget finished requests; raise the first failure among them."""
         still: list[asyncio.Task[int]] = []
+        failure: BaseException | None = None
         for task in self._pending:
             if not task.done():
                 still.append(task)
-            elif not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            elif not task.cancelled() and (exc := task.exception()) is not None and failure is None:
+                failure = exc
         self._pending = still
+        if failure is not None:
+            raise failure
 
     async def write(self, data: torch.Tensor | Bytes) -> None:
         """Append ``data`` (a CPU tensor's bytes, or a bytes-like object) to the file."""
@@ -121,12 +130,20 @@ class FileWriter:
                 self._launch(buf.size)
 
     def _launch(self, length: int) -> None:
-        assert self._buf is not None and self._fd is not None
+        assert self._buf is not None
+        assert self._fd is not None
         buf = self._buf
-        task = asyncio.ensure_future(self._backend.write(self._fd, buf.view[:length], self._offset))
+        piece = buf.view[:length]
+        task = asyncio.ensure_future(self._backend.write(self._fd, piece, self._offset))
+
         # The buffer goes back to the pool only once the request is over, whatever the
-        # task's fate: that is what makes sharing one pool between writers safe.
-        task.add_done_callback(lambda _t: self._pool.release(buf))
+        # task's fate: that is what makes sharing one pool between writers safe. The
+        # slice is released too, so a stored traceback cannot pin the mapping.
+        def done(_t: asyncio.Task[int]) -> None:
+            piece.release()
+            self._pool.release(buf)
+
+        task.add_done_callback(done)
         self._pending.append(task)
         self._offset += length
         self._buf = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import platform
 import weakref
 from collections.abc import AsyncIterator
@@ -53,7 +52,9 @@ def probe_io_uring() -> UringProbe:
     version = uring.liburing_version()
     disabled = uring.io_uring_disabled_sysctl()
     if disabled == 2:
-        _probe_cache = UringProbe(False, "disabled by the kernel (sysctl kernel.io_uring_disabled=2)", version)
+        _probe_cache = UringProbe(
+            False, "disabled by the kernel (sysctl kernel.io_uring_disabled=2)", version
+        )
         return _probe_cache
     try:
         ring = uring.io_uring_queue_init(4)
@@ -77,14 +78,16 @@ def probe_io_uring() -> UringProbe:
         return _probe_cache
     finally:
         uring.io_uring_queue_exit(ring)
-    _probe_cache = UringProbe(True, f"io_uring works (liburing {version}, kernel {platform.release()})", version)
+    _probe_cache = UringProbe(
+        True, f"io_uring works (liburing {version}, kernel {platform.release()})", version
+    )
     return _probe_cache
 
 
 def resolve_backend_name(name: str) -> str:
     """Turn ``"auto"`` into the backend that works here; check explicit names.
 
-    ``"io_uring"`` when it is unusable raises :class:`BackendUnavailableError` with the
+    ``"io_uring"`` when it is unusable raises `BackendUnavailableError` with the
     reason; ``"auto"`` falls back to ``"threads"`` and says so once in the log.
     """
     global _fallback_logged

@@ -44,7 +44,7 @@ class IOBackend(abc.ABC):
     - ``write`` writes the whole buffer (short writes, ``EINTR`` and ``EAGAIN`` are
       retried); ``read`` fills the buffer or stops at end of file and returns the count.
     - At most ``queue_depth`` requests are in flight; more callers wait their turn.
-    - Errors are :class:`~aiopersist.CheckpointIOError` (``DiskFullError`` for ENOSPC)
+    - Errors are [`CheckpointIOError`][aiopersist.CheckpointIOError] (``DiskFullError`` for ENOSPC)
       carrying the errno and the file name.
     - Cancelling an awaiter never frees its buffer early: the awaiter waits for its
       request to complete, then raises ``CancelledError``.

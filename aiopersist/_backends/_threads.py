@@ -20,37 +20,41 @@ T = TypeVar("T")
 
 
 def _pwrite_all(fd: int, buf: Buffer, offset: int, name: str | None) -> int:
-    view = memoryview(buf).cast("B")
-    total = len(view)
-    done = 0
-    while done < total:
-        try:
-            n = os.pwrite(fd, view[done:], offset + done)
-        except BlockingIOError:  # EAGAIN; EINTR is retried by Python itself (PEP 475)
-            continue
-        except OSError as exc:
-            raise from_os_error(exc, "pwrite", name) from exc
-        if n == 0:
-            raise io_error(errno.EIO, "pwrite (no progress)", name)
-        done += n
-    return total
+    # Views are released on the way out, errors included: a traceback that kept one
+    # alive would pin the caller's buffer (an mmap could not be unmapped).
+    with memoryview(buf) as raw, raw.cast("B") as view:
+        total = len(view)
+        done = 0
+        while done < total:
+            try:
+                with view[done:] as part:
+                    n = os.pwrite(fd, part, offset + done)
+            except BlockingIOError:  # EAGAIN; EINTR is retried by Python itself (PEP 475)
+                continue
+            except OSError as exc:
+                raise from_os_error(exc, "pwrite", name) from exc
+            if n == 0:
+                raise io_error(errno.EIO, "pwrite (no progress)", name)
+            done += n
+        return total
 
 
 def _pread_full(fd: int, buf: Buffer, offset: int, name: str | None) -> int:
-    view = memoryview(buf).cast("B")
-    total = len(view)
-    done = 0
-    while done < total:
-        try:
-            n = os.preadv(fd, [view[done:]], offset + done)
-        except BlockingIOError:
-            continue
-        except OSError as exc:
-            raise from_os_error(exc, "preadv", name) from exc
-        if n == 0:  # end of file
-            break
-        done += n
-    return done
+    with memoryview(buf) as raw, raw.cast("B") as view:
+        total = len(view)
+        done = 0
+        while done < total:
+            try:
+                with view[done:] as part:
+                    n = os.preadv(fd, [part], offset + done)
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise from_os_error(exc, "preadv", name) from exc
+            if n == 0:  # end of file
+                break
+            done += n
+        return done
 
 
 class ThreadsBackend(IOBackend):

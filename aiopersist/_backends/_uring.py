@@ -10,7 +10,9 @@ submission entry always exists.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -25,6 +27,13 @@ from ._base import Buffer, IOBackend, wait_uncancellable
 log = logging.getLogger("aiopersist")
 
 _RETRY = {errno.EINTR, errno.EAGAIN}
+_IGNORED = 0  # user_data of NOPs that stand in for entries whose preparation failed
+
+
+def _prep_rw(
+    prep: Callable[[Any, int, Buffer, int], Any], fd: int, buf: Buffer, offset: int, sqe: Any
+) -> Any:
+    return prep(sqe, fd, buf, offset)
 
 
 @dataclass(eq=False)
@@ -56,7 +65,7 @@ class UringBackend(IOBackend):
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
         self._slots = asyncio.Semaphore(queue_depth)
-        self._unsubmitted = 0
+        self._unsubmitted: list[int] = []  # prepared, not yet taken by the kernel, in order
         self._flush_scheduled = False
         self._broken: CheckpointIOError | None = None
 
@@ -74,19 +83,29 @@ class UringBackend(IOBackend):
         if self._broken is not None:
             raise self._broken
         await self._slots.acquire()
+        sqe = None
         try:
             sqe = uring.io_uring_get_sqe(self._ring)
             if sqe is None:  # cannot happen while in-flight <= entries; keep the invariant loud
                 raise RuntimeError("io_uring submission queue full despite the in-flight bound")
             rid = next(self._ids)
-            keepalive = prep(sqe)
+            # No local keeps the pointers: once the completion drops them, nothing (not
+            # even a traceback through this frame) pins the caller's buffer.
+            request = _Request(self._loop.create_future(), prep(sqe))
             uring.io_uring_sqe_set_data64(sqe, rid)
         except BaseException:
-            self._slots.release()
+            if sqe is not None:
+                # The entry is already in the queue: turn it into a harmless NOP whose
+                # completion is ignored, rather than submit whatever it held.
+                uring.io_uring_prep_nop(sqe)
+                uring.io_uring_sqe_set_data64(sqe, _IGNORED)
+                self._unsubmitted.append(_IGNORED)
+                self._schedule_flush_later()
+            else:
+                self._slots.release()
             raise
-        request = _Request(self._loop.create_future(), keepalive)
         self._requests[rid] = request
-        self._unsubmitted += 1
+        self._unsubmitted.append(rid)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
@@ -97,7 +116,7 @@ class UringBackend(IOBackend):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        if self._unsubmitted == 0 or self._closed_ring:
+        if not self._unsubmitted or self._closed_ring or self._broken is not None:
             return
         try:
             taken = uring.io_uring_submit(self._ring)
@@ -105,18 +124,21 @@ class UringBackend(IOBackend):
             if exc.errno in _RETRY or exc.errno == errno.EBUSY:
                 self._schedule_flush_later()
                 return
-            # The kernel took none of them: they will never complete. Fail them all and
-            # refuse further work; the ring is torn down at aclose().
+            # The kernel took none of the waiting entries: fail exactly those, and refuse
+            # further work. Requests it took earlier complete normally (their buffers
+            # stay with them until then); the ring is torn down at aclose().
             self._broken = exc
-            for rid, req in list(self._requests.items()):
-                if not req.future.done():
-                    req.future.set_exception(exc)
-                del self._requests[rid]
+            waiting, self._unsubmitted = self._unsubmitted, []
+            for rid in waiting:
                 self._slots.release()
-            self._unsubmitted = 0
+                req = self._requests.pop(rid, None)
+                if req is not None:
+                    req.keepalive = None
+                    if not req.future.done():
+                        req.future.set_exception(exc)
             return
-        self._unsubmitted -= taken
-        if self._unsubmitted > 0:
+        del self._unsubmitted[:taken]
+        if self._unsubmitted:
             self._schedule_flush_later()
 
     def _schedule_flush_later(self) -> None:
@@ -127,10 +149,8 @@ class UringBackend(IOBackend):
     # -- completion ----------------------------------------------------------------------
 
     def _reap(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self._efd)
-        except BlockingIOError:
-            pass
         while True:
             cqes = uring.io_uring_peek_batch_cqe(self._ring)
             if not cqes:
@@ -140,37 +160,43 @@ class UringBackend(IOBackend):
                 self._complete(rid, res)
 
     def _complete(self, rid: int, res: int) -> None:
+        if rid == _IGNORED:
+            self._slots.release()
+            return
         req = self._requests.pop(rid, None)
         if req is None:  # pragma: no cover - a completion we never asked for
             log.warning("io_uring: completion for unknown request %d (res=%d)", rid, res)
             return
         self._slots.release()
+        req.keepalive = None  # the kernel is done with the memory: drop the pointers now
         if not req.future.done():
             req.future.set_result(res)
 
     # -- operations ------------------------------------------------------------------------
 
     async def _rw(self, fd: int, buf: Buffer, offset: int, *, write: bool) -> int:
-        view = memoryview(buf).cast("B")
-        total = len(view)
         name = self._filename(fd)
         call = "io_uring write" if write else "io_uring read"
         prep = uring.io_uring_prep_write if write else uring.io_uring_prep_read
         done = 0
-        while done < total:
-            part = view[done:]
-            pos = offset + done
-            try:
-                n = await self._submit(lambda sqe, p=part, o=pos: prep(sqe, fd, p, o), call, name)
-            except CheckpointIOError as exc:
-                if exc.errno in _RETRY:
-                    continue
-                raise
-            if n == 0:
-                if write:
-                    raise io_error(errno.EIO, f"{call} (no progress)", name)
-                break  # end of file
-            done += n
+        # Views are released on the way out, errors included: a traceback that kept one
+        # alive would pin the caller's buffer (an mmap could not be unmapped).
+        with memoryview(buf) as raw, raw.cast("B") as view:
+            total = len(view)
+            while done < total:
+                with view[done:] as part:
+                    pos = offset + done
+                    try:
+                        n = await self._submit(functools.partial(_prep_rw, prep, fd, part, pos), call, name)
+                    except CheckpointIOError as exc:
+                        if exc.errno in _RETRY:
+                            continue
+                        raise
+                if n == 0:
+                    if write:
+                        raise io_error(errno.EIO, f"{call} (no progress)", name)
+                    break  # end of file
+                done += n
         return done
 
     async def write(self, fd: int, buf: Buffer, offset: int) -> int:
@@ -190,7 +216,9 @@ class UringBackend(IOBackend):
         name = os.fspath(path)
         raw = os.fsencode(name)
         fd = await self._retrying(
-            lambda sqe: uring.io_uring_prep_openat(sqe, raw, flags | os.O_CLOEXEC, mode), "io_uring openat", name
+            lambda sqe: uring.io_uring_prep_openat(sqe, raw, flags | os.O_CLOEXEC, mode),
+            "io_uring openat",
+            name,
         )
         self._names[fd] = name
         return fd
@@ -221,8 +249,7 @@ class UringBackend(IOBackend):
         # Let every request in flight complete (their buffers are in the kernel's hands).
         pending = [req.future for req in self._requests.values()]
         if pending:
-            if self._unsubmitted:
-                self._flush()
+            self._flush()
             await asyncio.gather(*(wait_uncancellable(f) for f in pending), return_exceptions=True)
         self._teardown()
 
@@ -235,6 +262,7 @@ class UringBackend(IOBackend):
             # done with every buffer before the ring and the keepalives go away.
             if self._unsubmitted:
                 uring.io_uring_submit(self._ring)
+                self._unsubmitted.clear()
             while self._requests:
                 rid, _res = uring.io_uring_wait_cqe(self._ring)
                 uring.io_uring_cqe_seen(self._ring)

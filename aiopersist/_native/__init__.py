@@ -1,7 +1,7 @@
 """The optional compiled part: a cffi binding to the system liburing.
 
 ``has_liburing`` says whether the compiled module is importable (and not switched off with
-``AIOPERSIST_NATIVE=0``); ``unavailable_reason`` says why not. Only :mod:`.binding` touches
+``AIOPERSIST_NATIVE=0``); ``unavailable_reason`` says why not. Only `binding` touches
 ``ffi``/``lib``; everything above it calls the functions there.
 """
 

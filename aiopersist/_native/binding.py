@@ -1,12 +1,12 @@
 """Thin binding over liburing: one function per C call, named after it.
 
 Each function converts Python buffers to pointers, calls liburing, checks the return code
-and raises :class:`~aiopersist.CheckpointIOError` carrying the errno (liburing returns
+and raises [`CheckpointIOError`][aiopersist.CheckpointIOError] carrying the errno (liburing returns
 ``-errno``). Functions that hand a buffer to the kernel return a *keepalive* object: the
 caller must hold it until the request's completion has been reaped, because the kernel
 reads or writes that memory until then.
 
-Import this module only when :data:`aiopersist._native.has_liburing` is true.
+Import this module only when `aiopersist._native.has_liburing` is true.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from . import has_liburing, unavailable_reason
 if not has_liburing:  # pragma: no cover - guarded by callers
     raise BackendUnavailableError(unavailable_reason or "liburing binding unavailable")
 
-from ._liburing import ffi, lib  # noqa: E402
+from ._liburing import ffi, lib
 
 Buffer = Any  # anything exposing the buffer protocol (memoryview, mmap, bytearray, numpy, ...)
 
@@ -55,7 +55,9 @@ def io_uring_queue_init(entries: int, flags: int = 0) -> Ring:
     ring = ffi.new("struct io_uring *")
     _check(lib.io_uring_queue_init(entries, ring, flags), "io_uring_queue_init")
     capacity = max(entries * 2, 16)
-    return Ring(ring=ring, cqes=ffi.new("struct io_uring_cqe *[]", capacity), cqe_capacity=capacity, entries=entries)
+    return Ring(
+        ring=ring, cqes=ffi.new("struct io_uring_cqe *[]", capacity), cqe_capacity=capacity, entries=entries
+    )
 
 
 def io_uring_queue_exit(ring: Ring) -> None:
@@ -116,7 +118,7 @@ def io_uring_prep_readv(sqe: Any, fd: int, bufs: Sequence[Buffer], offset: int) 
 
 
 def io_uring_prep_write_fixed(sqe: Any, fd: int, buf: Buffer, offset: int, buf_index: int) -> Any:
-    """Write from (part of) a buffer registered with :func:`io_uring_register_buffers`."""
+    """Write from (part of) a buffer registered with `io_uring_register_buffers`."""
     ptr = ffi.from_buffer(buf)
     lib.io_uring_prep_write_fixed(sqe, fd, ptr, len(ptr), offset, buf_index)
     return ptr
@@ -171,7 +173,7 @@ def io_uring_cqe_seen(ring: Ring) -> None:
 
 def io_uring_peek_batch_cqe(ring: Ring) -> list[tuple[int, int]]:
     """Up to the ring's capacity of ``(user_data, res)`` pairs; consume them with
-    :func:`io_uring_cq_advance`."""
+    `io_uring_cq_advance`."""
     n = lib.io_uring_peek_batch_cqe(ring.ring, ring.cqes, ring.cqe_capacity)
     cqes = ring.cqes
     return [(int(cqes[i].user_data), int(cqes[i].res)) for i in range(n)]

@@ -1,0 +1,32 @@
+# The two commands a fresh machine needs: `make demo` and `make test`.
+# Every target runs `setup` first (idempotent, fast when nothing changed).
+
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo check bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+# pytest exits 5 when it collected no tests: that is a failure here, and said so.
+test: setup
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5) - failing" >&2; exit 1; fi; \
+	exit $$rc
+
+demo: setup
+	$(VENV)/bin/aiopersist doctor .
+	$(VENV)/bin/aiopersist demo --dir .demo-data
+
+check: setup
+	$(VENV)/bin/ruff check aiopersist tests setup.py
+	$(VENV)/bin/mypy
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+bench: setup
+	$(VENV)/bin/aiopersist bench raw --dir bench-data
+
+clean:
+	rm -rf build site bench-data .demo-data *.egg-info aiopersist/_native/_liburing*.so

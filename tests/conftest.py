@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+import aiopersist
+from aiopersist import _native
+
+URING_OK = aiopersist.probe_io_uring().usable
+IS_ROOT = os.geteuid() == 0
+
+BACKENDS = [
+    pytest.param(
+        "io_uring",
+        marks=pytest.mark.skipif(
+            not URING_OK, reason=f"io_uring unusable: {aiopersist.probe_io_uring().reason}"
+        ),
+    ),
+    pytest.param("threads"),
+]
+
+needs_native = pytest.mark.skipif(not _native.has_liburing, reason=f"{_native.unavailable_reason}")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest_asyncio.fixture
+async def backend(backend_name: str) -> AsyncIterator[aiopersist.IOBackend]:
+    be = aiopersist.create_backend(backend_name, queue_depth=8)
+    try:
+        yield be
+    finally:
+        await be.aclose()
+
+
+@pytest.fixture(params=["direct", "buffered"])
+def io_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Direct I/O where the file system takes it, and forced buffered I/O plus fsync."""
+    if request.param == "buffered":
+        monkeypatch.setenv("AIOPERSIST_DIRECT_IO", "0")
+    return str(request.param)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(where: Path, *options: str) -> Iterator[Path]:
+    """A real small file system for disk-full and read-only tests (root only)."""
+    if not IS_ROOT:
+        pytest.skip("mounting a small file system needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    opts = ",".join(options)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", opts, f"aiopersist-test-{uuid.uuid4().hex[:8]}", str(where)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB file system that fills up fast."""
+    with mounted_tmpfs(tmp_path / "small", "size=4m", "mode=0755") as p:
+        yield p
+
+
+@pytest.fixture
+def readonly_fs(tmp_path: Path) -> Iterator[Path]:
+    """A read-only file system: even root cannot create files there."""
+    with mounted_tmpfs(tmp_path / "ro", "ro", "size=1m") as p:
+        yield p

@@ -1,0 +1,184 @@
+"""save / load of a flat mapping of CPU tensors, on both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import aiopersist
+
+pytestmark = pytest.mark.asyncio
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    base = torch.randn(64, 48)
+    return {
+        "f32": torch.randn(300, 77),
+        "bf16": torch.randn(129, 3, dtype=torch.bfloat16),
+        "f16": torch.randn(5, dtype=torch.float16),
+        "f64": torch.randn(2, 2, dtype=torch.float64),
+        "i8": torch.randint(-128, 127, (33,), dtype=torch.int8),
+        "u8": torch.randint(0, 255, (1000,), dtype=torch.uint8),
+        "i64": torch.arange(10),
+        "bool": torch.rand(17) > 0.5,
+        "f8": torch.randn(16).to(torch.float8_e4m3fn),
+        "c64": torch.randn(4, dtype=torch.complex64),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 5),
+        "transposed": base.t(),  # non-contiguous
+        "strided": base[::3, 1::2],
+    }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # compare bytes, so that NaN payloads and float8 compare exactly
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
+
+
+async def test_round_trip_every_dtype(backend_name: str, io_mode: str, tmp_path: Path) -> None:
+    state = _state()
+    info = await aiopersist.save(state, tmp_path / "ckpt", backend=backend_name, metadata={"step": "3"})
+    assert info.backend == backend_name
+    assert info.files == ("model.safetensors",)
+    assert info.bytes_written == (tmp_path / "ckpt" / "model.safetensors").stat().st_size
+    loaded = await aiopersist.load(tmp_path / "ckpt", backend=backend_name)
+    assert list(loaded) == list(state)
+    for k in state:
+        assert _same(loaded[k], state[k]), k
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"step": "3"}
+        assert torch.equal(f.get_tensor("f32"), state["f32"])
+    # nothing left beside the checkpoint
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+async def test_load_plain_safetensors_file(backend_name: str, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    state = {"a": torch.randn(10, 10), "b": torch.arange(5, dtype=torch.int32)}
+    save_file(state, str(tmp_path / "plain.safetensors"))
+    loaded = await aiopersist.load(tmp_path / "plain.safetensors", backend=backend_name)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"a": [1, 2]}, r"state\['a'\]: expected a tensor, got list"),
+        ({1: torch.zeros(1)}, r"keys must be str"),
+        ({"s": torch.zeros(2).to_sparse()}, r"state\['s'\]: torch.sparse_coo"),
+        ([torch.zeros(1)], "expected a mapping"),
+    ],
+)
+async def test_unsupported_state_names_the_key(state: object, match: str, tmp_path: Path) -> None:
+    with pytest.raises(aiopersist.UnsupportedStateError, match=match):
+        await aiopersist.save(state, tmp_path / "x")  # type: ignore[arg-type]
+    assert not (tmp_path / "x").exists()
+    assert os.listdir(tmp_path) == []
+
+
+async def test_existing_path_needs_overwrite(backend_name: str, tmp_path: Path) -> None:
+    await aiopersist.save({"a": torch.zeros(3)}, tmp_path / "c", backend=backend_name)
+    with pytest.raises(aiopersist.CheckpointExistsError):
+        await aiopersist.save({"a": torch.ones(3)}, tmp_path / "c", backend=backend_name)
+    assert isinstance(aiopersist.CheckpointExistsError("x"), FileExistsError)
+    loaded = await aiopersist.load(tmp_path / "c", backend=backend_name)
+    assert torch.equal(loaded["a"], torch.zeros(3))
+    await aiopersist.save({"a": torch.ones(3)}, tmp_path / "c", backend=backend_name, overwrite=True)
+    loaded = await aiopersist.load(tmp_path / "c", backend=backend_name)
+    assert torch.equal(loaded["a"], torch.ones(3))
+    assert os.listdir(tmp_path) == ["c"]
+
+
+async def test_missing_checkpoint(backend_name: str, tmp_path: Path) -> None:
+    with pytest.raises(aiopersist.CheckpointNotFoundError):
+        await aiopersist.load(tmp_path / "nothing", backend=backend_name)
+    (tmp_path / "emptydir").mkdir()
+    with pytest.raises(aiopersist.CheckpointNotFoundError, match=r"model\.safetensors"):
+        await aiopersist.load(tmp_path / "emptydir", backend=backend_name)
+
+
+async def test_truncated_checkpoint_is_corrupt(backend_name: str, tmp_path: Path) -> None:
+    await aiopersist.save({"a": torch.randn(1000)}, tmp_path / "c", backend=backend_name)
+    f = tmp_path / "c" / "model.safetensors"
+    os.truncate(f, f.stat().st_size - 10)
+    with pytest.raises(aiopersist.CheckpointCorruptError, match=r"model\.safetensors"):
+        await aiopersist.load(tmp_path / "c", backend=backend_name)
+
+
+@pytest.mark.root
+async def test_disk_full_keeps_the_older_checkpoint(backend_name: str, small_fs: Path) -> None:
+    old = {"a": torch.randn(1000)}
+    await aiopersist.save(old, small_fs / "c", backend=backend_name)
+    with pytest.raises(aiopersist.DiskFullError) as info:
+        await aiopersist.save(
+            {"a": torch.randn(4 << 20)}, small_fs / "c", backend=backend_name, overwrite=True
+        )
+    assert info.value.errno == 28
+    assert sorted(os.listdir(small_fs)) == ["c"]  # no temporary directory left
+    loaded = await aiopersist.load(small_fs / "c", backend=backend_name)
+    assert torch.equal(loaded["a"], old["a"])
+    # after freeing space, saving works again
+    await aiopersist.save({"a": torch.randn(100)}, small_fs / "d", backend=backend_name)
+
+
+async def test_killed_save_leaves_no_final_directory(tmp_path: Path) -> None:
+    """kill -9 in the middle of a save: nothing under the final name, older one intact."""
+    await aiopersist.save({"a": torch.arange(10)}, tmp_path / "old")
+    script = f"""
+import asyncio, os, sys, torch, aiopersist
+from aiopersist import _commit
+real = _commit._publish
+def publish_then_die(tmp, final, overwrite):
+    os.kill(os.getpid(), 9)  # die after every byte is written, right before the rename
+_commit._publish = publish_then_die
+asyncio.run(aiopersist.save({{"a": torch.randn(1 << 20)}}, {str(tmp_path / "new")!r}))
+"""
+    proc = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", script], capture_output=True, timeout=120
+    )
+    assert proc.returncode == -9
+    assert not (tmp_path / "new").exists()
+    leftovers = [n for n in os.listdir(tmp_path) if n != "old"]
+    assert all(".aiopersist-tmp-" in n for n in leftovers)
+    assert torch.equal((await aiopersist.load(tmp_path / "old"))["a"], torch.arange(10))
+
+
+@pytest.mark.root
+async def test_load_from_read_only_file_system(backend_name: str, tmp_path: Path) -> None:
+    """Loading needs no write access (the direct-I/O probe reads the file itself)."""
+    import subprocess as sp
+
+    from aiopersist import _direct
+
+    src = tmp_path / "src"
+    state = {"a": torch.randn(5000)}
+    await aiopersist.save(state, src / "c", backend=backend_name)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+
+    def mount(*args: str) -> int:
+        return sp.run(["mount", *args], capture_output=True, check=False).returncode
+
+    if await asyncio.to_thread(mount, "--bind", str(src), str(ro)) != 0:
+        pytest.skip("cannot make a bind mount here")
+    try:
+        await asyncio.to_thread(mount, "-o", "remount,bind,ro", str(ro))
+        with pytest.raises(OSError, match="Read-only"):
+            (ro / "probe").write_bytes(b"x")  # the mount really is read-only
+        _direct._cache.clear()
+        loaded = await aiopersist.load(ro / "c", backend=backend_name)
+        assert torch.equal(loaded["a"], state["a"])
+    finally:
+        await asyncio.to_thread(sp.run, ["umount", "-l", str(ro)], check=False)

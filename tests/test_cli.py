@@ -1,0 +1,41 @@
+"""The command line, as a user runs it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import URING_OK
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "aiopersist", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_doctor_reports_backend_and_direct_io(tmp_path: Path) -> None:
+    proc = _cli("doctor", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for key in ("kernel", "io_uring", "liburing", "auto backend", "O_DIRECT", "alignment"):
+        assert re.search(rf"^{key}\s", out, re.M), key
+    assert re.search(rf"^path\s+{re.escape(str(tmp_path))}$", out, re.M)
+    assert bool(re.search(r"^auto backend\s+io_uring$", out, re.M)) == URING_OK
+
+
+def test_doctor_on_missing_directory_says_so(tmp_path: Path) -> None:
+    proc = _cli("doctor", str(tmp_path / "missing"))
+    assert proc.returncode == 0
+    assert re.search(r"^O_DIRECT\s+cannot probe: .*No such file", proc.stdout, re.M)
+
+
+def test_demo_runs_and_verifies(tmp_path: Path) -> None:
+    proc = _cli("demo", "--dir", str(tmp_path / "d"), "--size-mib", "48")
+    assert proc.returncode == 0, proc.stderr
+    assert "threads" in proc.stdout
+    assert "NO" not in proc.stdout
+    assert proc.stdout.count(" yes") == (2 if URING_OK else 1)
+    assert not (tmp_path / "d").exists()  # cleaned up without --keep

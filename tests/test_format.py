@@ -1,0 +1,95 @@
+"""The safetensors layout: pure functions, no I/O except reading back with safetensors."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from aiopersist import CheckpointCorruptError
+from aiopersist._format import DATA_ALIGNMENT, MAX_HEADER_BYTES, header_length, layout_file, parse_header
+
+
+def _file_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    layout = layout_file([(k, t.dtype, t.shape) for k, t in tensors.items()], metadata)
+    body = b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors.values())
+    return layout.header + body
+
+
+def test_data_section_is_aligned_and_safetensors_reads_it(tmp_path: Path) -> None:
+    tensors = {
+        "w": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.int64),
+        "h": torch.randn(4, dtype=torch.float16),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4),
+    }
+    layout = layout_file([(k, t.dtype, t.shape) for k, t in tensors.items()], {"step": "10"})
+    assert layout.data_offset % DATA_ALIGNMENT == 0
+    raw = _file_bytes(tensors, {"step": "10"})
+    (tmp_path / "x.safetensors").write_bytes(raw)
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
+        assert f.metadata() == {"step": "10"}
+        for k, t in tensors.items():
+            assert torch.equal(f.get_tensor(k), t)
+    parsed = parse_header(raw[8 : layout.data_offset], len(raw), "x")
+    assert [e.name for e in parsed.entries] == list(tensors)
+    assert parsed.data_offset == layout.data_offset
+
+
+def _header(spec: dict[str, object]) -> bytes:
+    return json.dumps(spec).encode()
+
+
+@pytest.mark.parametrize(
+    ("spec", "size_delta", "match"),
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, -1, "data section should end"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, 0, "do not match its shape"),
+        ({"a": {"dtype": "XX", "shape": [2], "data_offsets": [0, 8]}}, 0, "bad header entry"),
+        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, 0, "invalid shape"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]},
+            },
+            0,
+            "gap or overlap",
+        ),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, 0, "invalid offsets"),
+        ({"__metadata__": {"k": 1}}, 0, "__metadata__"),
+    ],
+)
+def test_malformed_headers_are_named(spec: dict[str, object], size_delta: int, match: str) -> None:
+    h = _header(spec)
+    ends = [v["data_offsets"][1] for k, v in spec.items() if k != "__metadata__"]  # type: ignore[index]
+    size = 8 + len(h) + max(ends, default=0) + size_delta
+    with pytest.raises(CheckpointCorruptError, match=match) as info:
+        parse_header(h, size, "shard-0.safetensors")
+    assert "shard-0.safetensors" in str(info.value)
+
+
+def test_not_json() -> None:
+    with pytest.raises(CheckpointCorruptError, match="not valid JSON"):
+        parse_header(b"{nope", 100, "f")
+
+
+def test_absurd_header_length() -> None:
+    with pytest.raises(CheckpointCorruptError, match="absurd"):
+        header_length(struct.pack("<Q", MAX_HEADER_BYTES + 1), 1 << 40, "f")
+    with pytest.raises(CheckpointCorruptError, match="past the end"):
+        header_length(struct.pack("<Q", 1000), 500, "f")
+    with pytest.raises(CheckpointCorruptError, match="too short"):
+        header_length(b"\x01\x02", 2, "f")
+
+
+def test_duplicate_names_and_bad_metadata_rejected() -> None:
+    with pytest.raises(ValueError, match="duplicate"):
+        layout_file([("a", torch.float32, (1,)), ("a", torch.float32, (1,))])
+    with pytest.raises(TypeError, match="metadata"):
+        layout_file([], {"k": 1})  # type: ignore[dict-item]

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import aiopersist
+
+
+def test_all_is_complete_and_importable() -> None:
+    public = {n for n in dir(aiopersist) if not n.startswith("_")}
+    public.discard("annotations")
+    assert set(aiopersist.__all__) - {"__version__"} == public
+    for name in aiopersist.__all__:
+        assert getattr(aiopersist, name) is not None
+
+
+def test_import_does_not_pull_integrations() -> None:
+    code = "import sys, aiopersist; print(any(m in sys.modules for m in ('transformers', 'accelerate')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_every_error_shares_the_root() -> None:
+    for name in aiopersist.__all__:
+        obj = getattr(aiopersist, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, aiopersist.AiopersistError)

@@ -1,0 +1,149 @@
+"""FileWriter and read_segments over both backends, direct and buffered."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import aiopersist
+from aiopersist._stream import FileWriter, read_segments
+
+pytestmark = pytest.mark.asyncio
+
+CHUNK = 64 << 10
+
+
+def _bytes(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize(
+    "size", [0, 1, 511, 512, 4095, 4096, 4097, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 12345]
+)
+async def test_exact_size_and_content(
+    backend: aiopersist.IOBackend, io_mode: str, tmp_path: Path, size: int
+) -> None:
+    dio = aiopersist.probe_directory(tmp_path)
+    assert dio.direct == (io_mode == "direct") or (io_mode == "direct" and not dio.direct)
+    pool = aiopersist.StagingPool(CHUNK, 3)
+    data = _bytes(size)
+    path = tmp_path / "f.bin"
+    async with FileWriter(backend, path, dio, pool) as w:
+        # uneven pieces, mixing tensors and bytes-like sources
+        await w.write(data[: size // 3])
+        await w.write(memoryview(data[size // 3 : size // 2].numpy()))
+        await w.write(data[size // 2 :])
+    assert w.bytes_written == size
+    assert path.stat().st_size == size  # padded tail truncated away
+    assert path.read_bytes() == data.numpy().tobytes()
+    assert pool.in_use == 0
+    assert pool.peak_in_use <= pool.count
+    back = torch.empty(size, dtype=torch.uint8)
+    await read_segments(backend, path, dio, pool, [(0, back)])
+    assert torch.equal(back, data)
+    pool.close()
+
+
+async def test_segments_land_where_they_belong(
+    backend: aiopersist.IOBackend, io_mode: str, tmp_path: Path
+) -> None:
+    dio = aiopersist.probe_directory(tmp_path)
+    pool = aiopersist.StagingPool(CHUNK, 2)
+    data = _bytes(5 * CHUNK + 77, seed=3)
+    path = tmp_path / "s.bin"
+    path.write_bytes(data.numpy().tobytes())
+    cuts = [(5, 100), (100, CHUNK + 3), (CHUNK + 3, CHUNK + 3), (2 * CHUNK + 1, 5 * CHUNK + 77)]
+    dests = [(a, torch.empty(b - a, dtype=torch.uint8)) for a, b in cuts]
+    await read_segments(backend, path, dio, pool, dests)
+    for (a, b), (_, d) in zip(cuts, dests, strict=True):
+        assert torch.equal(d, data[a:b])
+    assert pool.peak_in_use <= 2
+    pool.close()
+
+
+async def test_truncated_file_is_reported(backend: aiopersist.IOBackend, tmp_path: Path) -> None:
+    dio = aiopersist.probe_directory(tmp_path)
+    pool = aiopersist.StagingPool(CHUNK, 2)
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"x" * 1000)
+    with pytest.raises(aiopersist.CheckpointCorruptError, match="truncated"):
+        await read_segments(backend, path, dio, pool, [(500, torch.empty(1000, dtype=torch.uint8))])
+    pool.close()
+
+
+async def test_shared_pool_never_exceeded_by_concurrent_writers(
+    backend: aiopersist.IOBackend, tmp_path: Path
+) -> None:
+    dio = aiopersist.probe_directory(tmp_path)
+    pool = aiopersist.StagingPool(CHUNK, 3)
+    datas = [_bytes(7 * CHUNK + i, seed=i) for i in range(4)]
+
+    async def one(i: int) -> None:
+        async with FileWriter(backend, tmp_path / f"w{i}", dio, pool) as w:
+            for piece in datas[i].split(CHUNK // 3):
+                await w.write(piece)
+
+    await asyncio.gather(*(one(i) for i in range(4)))
+    for i, d in enumerate(datas):
+        assert (tmp_path / f"w{i}").read_bytes() == d.numpy().tobytes()
+    assert pool.peak_in_use <= 3
+    assert pool.in_use == 0
+    pool.close()
+
+
+async def test_cancelled_writer_returns_every_buffer(backend: aiopersist.IOBackend, tmp_path: Path) -> None:
+    dio = aiopersist.probe_directory(tmp_path)
+    pool = aiopersist.StagingPool(1 << 20, 4)
+    data = _bytes(64 << 20)
+
+    async def write_all() -> None:
+        async with FileWriter(backend, tmp_path / "c", dio, pool) as w:
+            for piece in data.split(1 << 20):
+                await w.write(piece)
+
+    task = asyncio.create_task(write_all())
+    for _ in range(10_000):  # until requests are in flight (bounded: no endless loop)
+        if backend.in_flight >= 2:
+            break
+        await asyncio.sleep(0)
+    assert backend.in_flight >= 2
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert pool.in_use == 0
+    assert backend.in_flight == 0
+    pool.close()  # unmaps: would raise BufferError if a request still held one
+
+
+@pytest.mark.slow
+async def test_512_mib_round_trip(backend: aiopersist.IOBackend, tmp_path: Path) -> None:
+    dio = aiopersist.probe_directory(tmp_path)
+    pool = aiopersist.StagingPool()
+    size = (512 << 20) + 4321  # with an unaligned tail
+    data = _bytes(size, seed=11)
+    path = tmp_path / "big.bin"
+    async with FileWriter(backend, path, dio, pool) as w:
+        for piece in data.split(48 << 20):
+            await w.write(piece)
+    assert path.stat().st_size == size
+    back = torch.empty(size, dtype=torch.uint8)
+    await read_segments(backend, path, dio, pool, [(0, back)])
+    assert torch.equal(back, data)
+    pool.close()
+    os.unlink(path)
+
+
+@pytest.mark.root
+async def test_writer_on_full_file_system(backend: aiopersist.IOBackend, small_fs: Path) -> None:
+    dio = aiopersist.probe_directory(small_fs)
+    pool = aiopersist.StagingPool(CHUNK, 2)
+    with pytest.raises(aiopersist.DiskFullError):
+        async with FileWriter(backend, small_fs / "full", dio, pool) as w:
+            await w.write(_bytes(8 << 20))
+    assert pool.in_use == 0
+    pool.close()
