@@ -23,7 +23,7 @@ demo: setup
 check: setup
 	$(VENV)/bin/ruff check aiopersist tests setup.py
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 bench: setup
 	$(VENV)/bin/aiopersist bench raw --dir bench-data

@@ -9,6 +9,7 @@ from ._api import SaveInfo as SaveInfo
 from ._api import load as load
 from ._api import save as save
 from ._backends import IOBackend as IOBackend
+from ._backends import UringProbe as UringProbe
 from ._backends import create_backend as create_backend
 from ._backends import open_backend as open_backend
 from ._backends import probe_io_uring as probe_io_uring
@@ -42,6 +43,7 @@ __all__ = [
     "SaveInfo",
     "StagingPool",
     "UnsupportedStateError",
+    "UringProbe",
     "__version__",
     "create_backend",
     "load",

@@ -31,14 +31,19 @@ class SaveInfo:
     """What a save did."""
 
     path: str
+    """Absolute path of the published checkpoint directory."""
     bytes_written: int
     """Bytes this process wrote (headers included, alignment padding excluded)."""
     files: tuple[str, ...]
+    """The files written, relative to `path`."""
     seconds: float
+    """Wall time of the whole save, publication included."""
     backend: str
+    """The I/O backend that did the work (`io_uring` or `threads`)."""
 
     @property
     def gib_per_second(self) -> float:
+        """`bytes_written` over `seconds`, in GiB/s."""
         return self.bytes_written / (1 << 30) / self.seconds if self.seconds > 0 else float("inf")
 
 

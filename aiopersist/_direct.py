@@ -33,9 +33,11 @@ class DirectIOInfo:
     """How files in one directory are written and read."""
 
     directory: str
+    """The directory this answer is for."""
     direct: bool
     """``O_DIRECT`` works there; otherwise buffered I/O plus fsync."""
     mem_align: int
+    """Required alignment of buffer addresses."""
     offset_align: int
     """Offsets and lengths of direct requests are multiples of this."""
     source: str
@@ -45,9 +47,11 @@ class DirectIOInfo:
 
     @property
     def open_flags(self) -> int:
+        """Flags to add to ``open``: ``O_DIRECT`` or nothing."""
         return O_DIRECT if self.direct else 0
 
     def align_up(self, n: int) -> int:
+        """``n`` rounded up to a multiple of `offset_align`."""
         a = self.offset_align
         return -(-n // a) * a
 

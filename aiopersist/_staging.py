@@ -32,11 +32,22 @@ class StagingPool:
         self.peak_in_use = 0
         self._closed = False
 
+    buffer_bytes: int
+    """Size of each buffer."""
+    count: int
+    """Most buffers that can exist at once."""
+    in_use: int
+    """Buffers acquired and not yet released."""
+    peak_in_use: int
+    """The most buffers ever out at once."""
+
     @property
     def capacity_bytes(self) -> int:
+        """The pool's memory bound: ``count * buffer_bytes``."""
         return self.buffer_bytes * self.count
 
     async def acquire(self) -> AlignedBuffer:
+        """Take a buffer, waiting while all are out. Give it back with `release`."""
         if self._closed:
             raise RuntimeError("the staging pool is closed")
         await self._slots.acquire()
@@ -54,6 +65,7 @@ class StagingPool:
         return buf
 
     def release(self, buf: AlignedBuffer) -> None:
+        """Return a buffer; only once no I/O request uses it any more."""
         self.in_use -= 1
         if self._closed:
             buf.close()

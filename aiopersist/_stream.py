@@ -51,7 +51,11 @@ async def settle(tasks: Sequence[asyncio.Task[Any]]) -> None:
 
 
 class FileWriter:
-    """Writes one new file from a stream of byte chunks; see the module docstring.
+    """Writes one new file from a stream of byte chunks.
+
+    Bytes are copied into staging buffers from the pool; each full buffer becomes one
+    write request while the next one fills. With direct I/O the unaligned tail is written
+    padded with zeros and the file is then truncated to its exact length.
 
     Use ``await open()``, ``await write(...)`` any number of times, then ``await finish()``
     (fsync included) or ``await abort()``. As an async context manager it finishes on
@@ -78,6 +82,7 @@ class FileWriter:
         self.bytes_written = 0
 
     async def open(self) -> FileWriter:
+        """Create (or truncate) the file; ``O_DIRECT`` when the directory takes it."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._dio.open_flags
         self._fd = await self._backend.open(self.path, flags, 0o644)
         return self

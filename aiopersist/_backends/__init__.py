@@ -130,8 +130,11 @@ _shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, in
 
 @contextlib.asynccontextmanager
 async def open_backend(name: str = "auto", *, queue_depth: int | None = None) -> AsyncIterator[IOBackend]:
-    """The event loop's shared backend of that kind: one ring per loop, however many
-    saves and loads run on it at once. Released when its last user leaves."""
+    """The event loop's shared backend of that kind, as an async context manager.
+
+    ``async with open_backend("auto") as backend: ...`` — one ring per loop however many
+    saves and loads use it at once; closed when its last user leaves.
+    """
     resolved = resolve_backend_name(name)
     depth = queue_depth if queue_depth is not None else _knobs.queue_depth()
     loop = asyncio.get_running_loop()

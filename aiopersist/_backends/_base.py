@@ -52,6 +52,9 @@ class IOBackend(abc.ABC):
     """
 
     name: ClassVar[str]
+    """``"io_uring"`` or ``"threads"``."""
+    queue_depth: int
+    """Most requests in flight at once."""
 
     def __init__(self, queue_depth: int) -> None:
         if queue_depth <= 0:
@@ -78,7 +81,8 @@ class IOBackend(abc.ABC):
 
     @abc.abstractmethod
     async def open(self, path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
-        """Open ``path`` and return the file descriptor (``O_CLOEXEC`` is always added)."""
+        """Open ``path`` and return the file descriptor (``O_CLOEXEC`` is always added;
+        ``mode`` defaults to ``0o644``)."""
 
     @abc.abstractmethod
     async def close(self, fd: int) -> None:
