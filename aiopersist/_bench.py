@@ -8,9 +8,9 @@ staging buffers):
 - ``fio``: the reference. ``fio --ioengine=io_uring --direct=1`` with ``--bs`` the chunk
   size and ``--iodepth`` the buffer count (``--end_fsync=1`` on writes); its own
   ``bw_bytes`` figure is taken. Skipped, with a note, when ``fio`` is not installed.
-- ``io_uring`` and ``threads``: aiopersist's engine, a :class:`~aiopersist.FileWriter`
-  over that backend for writes and :func:`~aiopersist.read_segments` for reads, through a
-  :class:`~aiopersist.StagingPool` of that geometry. The bytes come from (and go to) a
+- ``io_uring`` and ``threads``: aiopersist's engine, a `FileWriter`
+  over that backend for writes and `read_segments` for reads, through a
+  `StagingPool` of that geometry. The bytes come from (and go to) a
   ``uint8`` tensor in memory, as a checkpoint's would.
 - ``buffered``: plain Python file objects (page cache plus ``os.fsync``), the baseline
   that a naive checkpoint writer gets.
@@ -24,9 +24,9 @@ Discipline, because a shared disk is noisy:
   the page cache is dropped (``/proc/sys/vm/drop_caches``), so that no method reads from
   memory or inherits another's writeback. Without root the caches stay and the report
   says so.
-- Every write goes to a fresh file (the engine truncates; fio's file is deleted first),
-  so no method overwrites blocks that are already allocated while another has to
-  allocate them.
+- Every write goes to a fresh file: the previous round's is deleted before the sync and
+  the clock, so that no method overwrites blocks already allocated (fio would) or pays
+  inside its timing for freeing them (an ``O_TRUNC`` open would).
 - Medians over the rounds are reported, with each method's ratio to fio's median.
 - The first round checks that the bytes read back are the bytes written.
 
@@ -54,7 +54,7 @@ import torch
 
 from . import _knobs
 from ._backends import create_backend, resolve_backend_name
-from ._direct import DirectIOInfo, probe_directory
+from ._direct import AlignedBuffer, DirectIOInfo, probe_directory
 from ._exceptions import BackendUnavailableError
 from ._staging import StagingPool
 from ._stream import FileWriter, read_segments
@@ -91,7 +91,7 @@ class MethodResult:
 
 @dataclass(frozen=True)
 class RawReport:
-    """What :func:`run_raw` measured, and under which conditions."""
+    """What `run_raw` measured, and under which conditions."""
 
     directory: str
     size_bytes: int
@@ -158,7 +158,41 @@ def _random_source(size: int) -> torch.Tensor:
 # -- fio ------------------------------------------------------------------------------------
 
 
-def _fio_run(fio: str, path: str, rw: str, size: int, chunk: int, buffers: int) -> float:
+class _HugePages:
+    """Reserve hugetlb pages for fio's buffers while the benchmark runs (root only).
+
+    The engine's staging buffers sit on transparent huge pages (see `AlignedBuffer`);
+    fio's own buffers only get huge pages from a hugetlb reservation (``--iomem=shmhuge``).
+    Without it fio's requests would be split into many more memory segments than the
+    engine's and the comparison would flatter the engine. The old setting is restored.
+    """
+
+    _KNOB = "/proc/sys/vm/nr_hugepages"
+
+    def __init__(self, nbytes: int) -> None:
+        self.wanted = -(-nbytes // (2 << 20)) + 4
+        self.before: int | None = None
+        self.ok = False
+
+    def __enter__(self) -> _HugePages:
+        if os.geteuid() != 0 or not os.path.exists(self._KNOB):
+            return self
+        with contextlib.suppress(OSError, ValueError):
+            with open(self._KNOB) as f:
+                self.before = int(f.read())
+            with open(self._KNOB, "w") as f:
+                f.write(str(self.before + self.wanted))
+            with open(self._KNOB) as f:
+                self.ok = int(f.read()) >= self.before + self.wanted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.before is not None:
+            with contextlib.suppress(OSError), open(self._KNOB, "w") as f:
+                f.write(str(self.before))
+
+
+def _fio_run(fio: str, path: str, rw: str, size: int, chunk: int, buffers: int, huge: bool) -> float:
     """Throughput in GiB/s by fio's own ``bw_bytes``."""
     cmd = [
         fio,
@@ -173,6 +207,8 @@ def _fio_run(fio: str, path: str, rw: str, size: int, chunk: int, buffers: int) 
         f"--iodepth={buffers}",
         "--output-format=json",
     ]
+    if huge:
+        cmd.append("--iomem=shmhuge")
     if rw == "write":
         # No preallocation: the engine's writes extend a fresh file, so fio's do too.
         cmd += ["--end_fsync=1", "--fallocate=none"]
@@ -379,7 +415,21 @@ def run_raw(
         f"{_size_text(chunk)} requests, {nbuf} in flight, in {directory}"
     )
     source = _random_source(size)
-    dest = torch.zeros(size, dtype=torch.uint8)  # zeros, not empty: its pages are faulted in now
+    # The destination is aligned memory, as the engine's loader allocates for large tensors,
+    # so the engine reads straight into it; filled now so its pages are faulted in.
+    dest_mem = AlignedBuffer(size)
+    dest = dest_mem.tensor
+    dest.fill_(0)
+    huge = _HugePages(chunk * nbuf)
+    if "fio" in order:
+        huge.__enter__()
+        notes.append(
+            "fio's buffers are on hugetlb pages (--iomem=shmhuge), like the engine's "
+            "on transparent huge pages"
+            if huge.ok
+            else "fio's buffers are on ordinary pages: no hugetlb pages could be reserved "
+            "(the engine's are huge)"
+        )
 
     token = uuid.uuid4().hex[:12]
     paths = {m: os.path.join(directory, f".aiopersist-bench-{m}-{token}.bin") for m in order}
@@ -388,14 +438,14 @@ def run_raw(
 
     def write_once(m: str) -> float:
         path = paths[m]
-        if m == "fio":
-            # fio would overwrite an existing file in place; the others start afresh.
-            if os.path.exists(path):
-                os.unlink(path)
-            drop()
-            assert fio is not None
-            return _fio_run(fio, path, "write", size, chunk, nbuf)
+        # Deleted before the clock starts: fio would overwrite an existing file in place,
+        # the others would pay for freeing its blocks (O_TRUNC) inside their timing.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         drop()
+        if m == "fio":
+            assert fio is not None
+            return _fio_run(fio, path, "write", size, chunk, nbuf, huge.ok)
         if m == "buffered":
             return _gibs(size, _buffered_write(path, source))
         return _gibs(size, asyncio.run(_engine_write(m, path, dio, source, chunk, nbuf)))
@@ -405,7 +455,7 @@ def run_raw(
         if m == "fio":
             drop()
             assert fio is not None
-            return _fio_run(fio, path, "read", size, chunk, nbuf)
+            return _fio_run(fio, path, "read", size, chunk, nbuf, huge.ok)
         if verify:
             # A stale copy of the source from another method must not pass for this one's.
             dest.zero_()
@@ -436,6 +486,7 @@ def run_raw(
                     + ("  (verified)" if r == 0 and m != "fio" else "")
                 )
     finally:
+        huge.__exit__()
         for path in paths.values():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

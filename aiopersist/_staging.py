@@ -30,6 +30,7 @@ class StagingPool:
         self._slots = asyncio.Semaphore(n)
         self.in_use = 0
         self.peak_in_use = 0
+        self.acquisitions = 0
         self._closed = False
 
     buffer_bytes: int
@@ -40,6 +41,8 @@ class StagingPool:
     """Buffers acquired and not yet released."""
     peak_in_use: int
     """The most buffers ever out at once."""
+    acquisitions: int
+    """How many times a buffer was handed out (each is one staged request)."""
 
     @property
     def capacity_bytes(self) -> int:
@@ -61,6 +64,7 @@ class StagingPool:
                 raise
             self._created += 1
         self.in_use += 1
+        self.acquisitions += 1
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return buf
 

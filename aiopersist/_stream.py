@@ -196,6 +196,34 @@ class FileWriter:
             await self._backend.close(fd)
 
 
+def _plan_windows(ranges: Sequence[tuple[int, int]], align: int, window: int) -> list[tuple[int, int]]:
+    """Aligned read windows (at most ``window`` long) that cover the byte ``ranges``.
+
+    Ranges are widened to the alignment and merged where they touch, so a run of small
+    tensors is read with few large requests and no byte is read twice.
+    """
+    runs: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        a, b = lo - lo % align, -(-hi // align) * align
+        if runs and a <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], b)
+        else:
+            runs.append([a, b])
+    return [(ws, min(ws + window, b)) for a, b in runs for ws in range(a, b, window)]
+
+
+def _direct_part(off: int, dest: torch.Tensor, dio: DirectIOInfo) -> tuple[int, int]:
+    """The ``[k0, k1)`` byte range of ``dest`` that O_DIRECT can read straight into it:
+    file offset, memory address and length all aligned. Empty when none is."""
+    if not dio.direct:
+        return 0, 0
+    k0 = (-off) % dio.offset_align
+    if (dest.data_ptr() + k0) % dio.mem_align:
+        return 0, 0
+    k1 = k0 + (dest.numel() - k0) // dio.offset_align * dio.offset_align
+    return (k0, k1) if k1 > k0 else (0, 0)
+
+
 async def read_segments(
     backend: IOBackend,
     path: str | os.PathLike[str],
@@ -205,21 +233,35 @@ async def read_segments(
 ) -> None:
     """Fill each ``(file_offset, dest)`` with the file's bytes at that offset.
 
-    ``dest`` is a 1-D ``uint8`` CPU tensor (often a byte view of the tensor being loaded).
-    Segments must not overlap. The file is read in aligned windows of the pool's buffer
-    size, as many in flight as the pool has buffers.
+    ``dest`` is a contiguous 1-D ``uint8`` CPU tensor (often a byte view of the tensor
+    being loaded); segments must not overlap. Where a destination is suitably aligned in
+    memory, its aligned middle is read straight into it (no staging copy); everything
+    else is read in aligned windows of the pool's buffer size, as many in flight as the
+    pool has buffers, and copied out.
     """
     name = os.fspath(path)
-    segs = sorted((off, d) for off, d in segments if d.numel() > 0)
+    segs = sorted(((off, d) for off, d in segments if d.numel() > 0), key=lambda sd: sd[0])
     if not segs:
         return
-    starts = [off for off, _ in segs]
-    first = segs[0][0]
     last = max(off + d.numel() for off, d in segs)
-    align = dio.offset_align if dio.direct else 1
     window = pool.buffer_bytes
-    begin = first - first % align
-    limit = dio.align_up(last) if dio.direct else last
+    direct: list[tuple[int, torch.Tensor]] = []  # (file offset, destination slice)
+    staged: list[tuple[int, torch.Tensor]] = []
+    for off, dest in segs:
+        if not dest.is_contiguous() or dest.dtype != torch.uint8:
+            raise ValueError("read_segments needs contiguous 1-D uint8 destinations")
+        k0, k1 = _direct_part(off, dest, dio)
+        if k1 - k0 < window:  # not worth a request of its own
+            k0 = k1 = 0
+        for a, b in ((0, k0), (k1, dest.numel())):
+            if b > a:
+                staged.append((off + a, dest[a:b]))
+        for a in range(k0, k1, window):
+            direct.append((off + a, dest[a : min(a + window, k1)]))
+    starts = [off for off, _ in staged]
+    align = dio.offset_align if dio.direct else 1
+    windows = _plan_windows([(off, off + d.numel()) for off, d in staged], align, window)
+
     fd = await backend.open(name, os.O_RDONLY | dio.open_flags)
     try:
         try:
@@ -229,17 +271,22 @@ async def read_segments(
         if last > size:
             raise CheckpointCorruptError(f"{name}: file is truncated ({size} bytes, data needs {last})")
 
-        async def one(ws: int) -> None:
-            we = min(ws + window, limit)
-            want = min(we, last) - ws
+        def short(at: int) -> CheckpointCorruptError:
+            return CheckpointCorruptError(f"{name}: file shrank while reading (short read at {at})")
+
+        async def into_destination(off: int, dest: torch.Tensor) -> None:
+            if await backend.read(fd, dest.numpy(), off) != dest.numel():
+                raise short(off)
+
+        async def through_staging(ws: int, we: int) -> None:
             buf = await pool.acquire()
             try:
                 got = await backend.read(fd, buf.view[: we - ws], ws)
-                if got < want:
-                    raise CheckpointCorruptError(f"{name}: file shrank while reading (short read at {ws})")
+                if got < min(we, last) - ws:
+                    raise short(ws)
                 i = max(bisect.bisect_right(starts, ws) - 1, 0)
-                while i < len(segs) and segs[i][0] < we:
-                    off, dest = segs[i]
+                while i < len(staged) and staged[i][0] < we:
+                    off, dest = staged[i]
                     lo, hi = max(ws, off), min(we, off + dest.numel())
                     if lo < hi:
                         dest[lo - off : hi - off].copy_(buf.tensor[lo - ws : hi - ws])
@@ -248,7 +295,9 @@ async def read_segments(
                 pool.release(buf)
 
         async with asyncio.TaskGroup() as tg:
-            for ws in range(begin, last, window):
-                tg.create_task(one(ws))
+            for off, dest in direct:
+                tg.create_task(into_destination(off, dest))
+            for ws, we in windows:
+                tg.create_task(through_staging(ws, we))
     finally:
         await backend.close(fd)

@@ -147,3 +147,31 @@ async def test_writer_on_full_file_system(backend: aiopersist.IOBackend, small_f
             await w.write(_bytes(8 << 20))
     assert pool.in_use == 0
     pool.close()
+
+
+@pytest.mark.parametrize(("shift", "mem_shift"), [(0, 0), (1, 1), (4096, 0), (0, 1)])
+async def test_aligned_destination_is_read_without_staging(
+    backend: aiopersist.IOBackend, tmp_path: Path, shift: int, mem_shift: int
+) -> None:
+    """An aligned destination gets its aligned middle straight from the kernel."""
+    from aiopersist._direct import AlignedBuffer
+
+    dio = aiopersist.probe_directory(tmp_path)
+    if not dio.direct:
+        pytest.skip(f"no O_DIRECT here: {dio.reason}")
+    size = 8 * CHUNK + 1000
+    data = _bytes(size + 8192, seed=5)
+    path = tmp_path / "a.bin"
+    path.write_bytes(data.numpy().tobytes())
+    mem = AlignedBuffer(size + 8192)
+    dest = mem.tensor[mem_shift : mem_shift + size]
+    pool = aiopersist.StagingPool(CHUNK, 2)
+    await read_segments(backend, path, dio, pool, [(shift, dest)])
+    assert torch.equal(dest, data[shift : shift + size])
+    if (mem_shift - shift) % dio.mem_align == 0:
+        assert pool.acquisitions <= 2  # only the unaligned head and tail were staged
+    else:
+        assert pool.acquisitions >= 8  # memory and file disagree on alignment: all staged
+    pool.close()
+    del dest
+    mem.close()
