@@ -17,7 +17,7 @@ import torch
 
 from ._backends import open_backend
 from ._commit import atomic_directory
-from ._direct import DirectIOInfo, probe_directory, probe_file_for_read
+from ._direct import DirectIOInfo, empty_for_direct_read, probe_directory, probe_file_for_read
 from ._exceptions import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedStateError
 from ._format import header_length, layout_file, parse_header, supported_dtype
 from ._staging import StagingPool
@@ -141,9 +141,14 @@ async def load(path: str | os.PathLike[str], *, backend: str = "auto") -> dict[s
             out: dict[str, torch.Tensor] = {}
             segments = []
             for e in layout.entries:
-                t = torch.empty(e.shape, dtype=e.dtype)
+                offset = layout.data_offset + e.begin
+                # Large tensors get memory the kernel can read into directly (no staging copy).
+                if dio.direct and e.nbytes >= pool.buffer_bytes:
+                    t = empty_for_direct_read(e.shape, e.dtype, offset)
+                else:
+                    t = torch.empty(e.shape, dtype=e.dtype)
                 out[e.name] = t
-                segments.append((layout.data_offset + e.begin, t.reshape(-1).view(torch.uint8)))
+                segments.append((offset, t.reshape(-1).view(torch.uint8)))
             await read_segments(be, name, dio, pool, segments)
     finally:
         pool.close()

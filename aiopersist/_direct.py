@@ -14,6 +14,7 @@ import ctypes
 import dataclasses
 import errno
 import logging
+import math
 import mmap
 import os
 import uuid
@@ -274,3 +275,21 @@ class AlignedBuffer:
 
     def __repr__(self) -> str:
         return f"<AlignedBuffer {self.size} bytes>"
+
+
+def empty_for_direct_read(shape: tuple[int, ...], dtype: torch.dtype, file_offset: int) -> torch.Tensor:
+    """An uninitialised tensor whose memory is laid out so ``O_DIRECT`` can read the file
+    bytes at ``file_offset`` straight into it.
+
+    Its data starts at the same offset within a page as ``file_offset`` does within the
+    file, on huge-page-backed memory (see `AlignedBuffer`), so every aligned block of the
+    file maps onto an aligned block of memory. The tensor keeps the mapping alive. Falls
+    back to ``torch.empty`` when that offset does not suit the dtype's alignment.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    phase = file_offset % PAGE_SIZE
+    if nbytes == 0 or phase % dtype.itemsize:
+        return torch.empty(shape, dtype=dtype)
+    mem = AlignedBuffer(phase + nbytes)
+    flat = torch.frombuffer(mem._map, dtype=dtype, count=math.prod(shape), offset=mem._offset + phase)
+    return flat.view(shape)
