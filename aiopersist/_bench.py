@@ -158,6 +158,17 @@ def _random_source(size: int) -> torch.Tensor:
 # -- fio ------------------------------------------------------------------------------------
 
 
+def _thp_mode() -> str:
+    """The kernel's transparent-huge-page mode (the bracketed word), or ``unknown``."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unknown"
+
+
 class _HugePages:
     """Reserve hugetlb pages for fio's buffers while the benchmark runs (root only).
 
@@ -243,7 +254,7 @@ async def _warm_pool(pool: StagingPool) -> None:
 async def _engine_write(
     backend_name: str, path: str, dio: DirectIOInfo, source: torch.Tensor, chunk: int, buffers: int
 ) -> float:
-    backend = create_backend(backend_name)
+    backend = create_backend(backend_name, queue_depth=buffers)
     pool = StagingPool(chunk, buffers)
     try:
         await _warm_pool(pool)
@@ -266,7 +277,7 @@ async def _engine_write(
 async def _engine_read(
     backend_name: str, path: str, dio: DirectIOInfo, dest: torch.Tensor, chunk: int, buffers: int
 ) -> float:
-    backend = create_backend(backend_name)
+    backend = create_backend(backend_name, queue_depth=buffers)
     pool = StagingPool(chunk, buffers)
     try:
         await _warm_pool(pool)
@@ -424,12 +435,11 @@ def run_raw(
     if "fio" in order:
         huge.__enter__()
         notes.append(
-            "fio's buffers are on hugetlb pages (--iomem=shmhuge), like the engine's "
-            "on transparent huge pages"
+            "fio's buffers are on hugetlb pages (--iomem=shmhuge)"
             if huge.ok
-            else "fio's buffers are on ordinary pages: no hugetlb pages could be reserved "
-            "(the engine's are huge)"
+            else "fio's buffers are on ordinary pages: no hugetlb pages could be reserved"
         )
+    notes.append(f"the engine's buffers ask for transparent huge pages (THP: {_thp_mode()})")
 
     token = uuid.uuid4().hex[:12]
     paths = {m: os.path.join(directory, f".aiopersist-bench-{m}-{token}.bin") for m in order}

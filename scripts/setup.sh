@@ -8,6 +8,12 @@ VENV=.venv
 PY="$VENV/bin/python"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 
+# pip, minus the warnings some machines' pip.conf produces for index folders that do not
+# exist (one line per package; they drown what matters). pip's exit status is kept.
+pip_install() {
+    "$PY" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
 # 1. System packages (root + apt only): liburing headers for the native io_uring module,
 #    fio for the benchmark, pkg-config to learn liburing's version. Without them the
 #    package still installs and uses its threads backend.
@@ -35,7 +41,7 @@ fi
 # 3. torch first, so that the package's plain 'torch' requirement never pulls a CUDA build.
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     echo "setup: installing $TORCH_SPEC"
-    "$PY" -m pip install -q "$TORCH_SPEC"
+    pip_install "$TORCH_SPEC"
 fi
 
 # 4. The package, editable, with its dev extras. Reinstalled when its build inputs
@@ -45,6 +51,6 @@ want="$(cat pyproject.toml setup.py aiopersist/_native/_build_liburing.py | sha2
 [ -f /usr/include/liburing.h ] && want="$want+uring"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "import aiopersist" >/dev/null 2>&1; then
     echo "setup: installing aiopersist (editable, dev extras)"
-    "$PY" -m pip install -q -e ".[dev]"
+    pip_install -e ".[dev]"
     echo "$want" > "$stamp"
 fi
