@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ._backends import IOBackend
-from ._direct import AlignedBuffer, DirectIOInfo
+from ._direct import AlignedBuffer, DirectIOInfo, copy_bytes
 from ._exceptions import CheckpointCorruptError, from_os_error
 from ._staging import StagingPool
 
@@ -125,7 +125,7 @@ class FileWriter:
             buf = self._buf
             take = min(n - pos, buf.size - self._fill)
             if isinstance(src, torch.Tensor):
-                buf.tensor[self._fill : self._fill + take].copy_(src[pos : pos + take])
+                copy_bytes(buf.address + self._fill, src.data_ptr() + pos, take)
             else:
                 buf.view[self._fill : self._fill + take] = src[pos : pos + take]
             self._fill += take
@@ -289,7 +289,7 @@ async def read_segments(
                     off, dest = staged[i]
                     lo, hi = max(ws, off), min(we, off + dest.numel())
                     if lo < hi:
-                        dest[lo - off : hi - off].copy_(buf.tensor[lo - ws : hi - ws])
+                        copy_bytes(dest.data_ptr() + lo - off, buf.address + lo - ws, hi - lo)
                     i += 1
             finally:
                 pool.release(buf)
