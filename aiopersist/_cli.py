@@ -32,7 +32,11 @@ def _doctor(args: argparse.Namespace) -> int:
         rows.append(("O_DIRECT", f"cannot probe: {exc}"))
     else:
         rows.append(("O_DIRECT", "yes" if dio.direct else f"no: {dio.reason}"))
-        rows.append(("alignment", f"memory {dio.mem_align}, offset {dio.offset_align} (from {dio.source})"))
+        rows.append(
+            ("alignment", f"memory {dio.mem_align}, offset {dio.offset_align} (from {dio.source})")
+            if dio.direct
+            else ("alignment", "none needed (buffered I/O)")
+        )
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

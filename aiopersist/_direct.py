@@ -74,45 +74,82 @@ def _statx_alignment(path: str) -> tuple[int, int] | None:
         return None
 
 
+def _switched_off(directory: str) -> DirectIOInfo:
+    return DirectIOInfo(
+        directory, False, PAGE_SIZE, 1, "default", "direct I/O switched off (AIOPERSIST_DIRECT_IO=0)"
+    )
+
+
+def _refused_at_open(directory: str) -> DirectIOInfo:
+    return DirectIOInfo(
+        directory, False, PAGE_SIZE, 1, "default", "the file system refuses O_DIRECT (EINVAL at open)"
+    )
+
+
+def _probe_fd(fd: int, name: str, directory: str, *, write: bool) -> DirectIOInfo:
+    """Alignment of the file open on ``fd`` (``O_DIRECT``), checked by one real aligned
+    write or read of a block at offset 0."""
+    aligned = _statx_alignment(name)
+    mem_align, offset_align = aligned if aligned is not None else (_knobs.DEFAULT_ALIGNMENT,) * 2
+    source = "statx" if aligned is not None else "default"
+
+    def buffered(reason: str) -> DirectIOInfo:
+        return DirectIOInfo(directory, False, mem_align, offset_align, source, reason)
+
+    if mem_align > PAGE_SIZE:
+        return buffered(f"direct I/O needs {mem_align}-byte aligned memory, more than a page")
+    block = AlignedBuffer(max(offset_align, PAGE_SIZE))
+    try:
+        if write:
+            os.pwrite(fd, block.view, 0)
+        else:
+            os.preadv(fd, [block.view], 0)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return buffered(f"the file system refuses O_DIRECT {'writes' if write else 'reads'} (EINVAL)")
+        raise from_os_error(exc, "pwrite" if write else "preadv", name) from exc
+    finally:
+        block.close()
+    return DirectIOInfo(
+        directory,
+        True,
+        mem_align,
+        offset_align,
+        source,
+        f"O_DIRECT works ({offset_align}-byte alignment from {source})",
+    )
+
+
+def _device(path: str) -> int:
+    try:
+        return os.stat(path).st_dev
+    except OSError as exc:
+        raise from_os_error(exc, "stat", path) from exc
+
+
 def probe_directory(directory: str | os.PathLike[str], *, refresh: bool = False) -> DirectIOInfo:
     """Find out whether ``directory`` takes ``O_DIRECT`` and with which alignment.
 
-    Cached per device (``st_dev``). Raises [`CheckpointIOError`][aiopersist.CheckpointIOError] when the
-    directory cannot be written at all.
+    Writes one block to a scratch file there. Cached per device (``st_dev``). Raises
+    [`CheckpointIOError`][aiopersist.CheckpointIOError] when the directory cannot be
+    written at all.
     """
     path = os.path.abspath(os.fspath(directory))
-    try:
-        dev = os.stat(path).st_dev
-    except OSError as exc:
-        raise from_os_error(exc, "stat", path) from exc
+    dev = _device(path)
     if not _knobs.direct_io_enabled():
-        return DirectIOInfo(
-            path, False, PAGE_SIZE, 1, "default", "direct I/O switched off (AIOPERSIST_DIRECT_IO=0)"
-        )
+        return _switched_off(path)
     if not refresh and dev in _cache:
-        cached = _cache[dev]
-        return dataclasses.replace(cached, directory=path)
-
+        return dataclasses.replace(_cache[dev], directory=path)
     scratch = os.path.join(path, f".aiopersist-probe-{uuid.uuid4().hex}")
-    info: DirectIOInfo
     try:
         fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | O_DIRECT, 0o600)
     except OSError as exc:
         if exc.errno != errno.EINVAL or not O_DIRECT:
             raise from_os_error(exc, "open", scratch) from exc
-        info = DirectIOInfo(
-            path, False, PAGE_SIZE, 1, "default", "the file system refuses O_DIRECT (EINVAL at open)"
-        )
+        info = _refused_at_open(path)
     else:
         try:
-            aligned = _statx_alignment(scratch)
-            if aligned is not None:
-                mem_align, offset_align = aligned
-                source = "statx"
-            else:
-                mem_align = offset_align = _knobs.DEFAULT_ALIGNMENT
-                source = "default"
-            info = _probe_write(fd, path, mem_align, offset_align, source)
+            info = _probe_fd(fd, scratch, path, write=True)
         finally:
             os.close(fd)
             os.unlink(scratch)
@@ -126,19 +163,14 @@ def probe_directory(directory: str | os.PathLike[str], *, refresh: bool = False)
 def probe_file_for_read(path: str | os.PathLike[str]) -> DirectIOInfo:
     """Like `probe_directory`, for reading an existing file: needs no write access.
 
-    Opens the file itself with ``O_DIRECT`` and reads its first block. Shares the
-    per-device cache with `probe_directory`.
+    Opens the file itself with ``O_DIRECT`` and reads its first block. Uses, but does not
+    fill, the per-device cache of `probe_directory`.
     """
     name = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(name)
+    dev = _device(name)
     if not _knobs.direct_io_enabled():
-        return DirectIOInfo(
-            directory, False, PAGE_SIZE, 1, "default", "direct I/O switched off (AIOPERSIST_DIRECT_IO=0)"
-        )
-    try:
-        dev = os.stat(name).st_dev
-    except OSError as exc:
-        raise from_os_error(exc, "stat", name) from exc
+        return _switched_off(directory)
     if dev in _cache:
         return dataclasses.replace(_cache[dev], directory=directory)
     try:
@@ -146,79 +178,11 @@ def probe_file_for_read(path: str | os.PathLike[str]) -> DirectIOInfo:
     except OSError as exc:
         if exc.errno != errno.EINVAL or not O_DIRECT:
             raise from_os_error(exc, "open", name) from exc
-        return DirectIOInfo(
-            directory, False, PAGE_SIZE, 1, "default", "the file system refuses O_DIRECT (EINVAL at open)"
-        )
+        return _refused_at_open(directory)
     try:
-        aligned = _statx_alignment(name)
-        mem_align, offset_align = aligned if aligned is not None else (_knobs.DEFAULT_ALIGNMENT,) * 2
-        source = "statx" if aligned is not None else "default"
-        if mem_align > PAGE_SIZE:
-            return DirectIOInfo(
-                directory, False, mem_align, offset_align, source, "alignment larger than a page"
-            )
-        block = AlignedBuffer(max(offset_align, PAGE_SIZE))
-        try:
-            os.preadv(fd, [block.view], 0)
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                return DirectIOInfo(
-                    directory,
-                    False,
-                    mem_align,
-                    offset_align,
-                    source,
-                    "the file system refuses O_DIRECT reads",
-                )
-            raise from_os_error(exc, "preadv", name) from exc
-        finally:
-            block.close()
+        return _probe_fd(fd, name, directory, write=False)
     finally:
         os.close(fd)
-    return DirectIOInfo(
-        directory,
-        True,
-        mem_align,
-        offset_align,
-        source,
-        f"O_DIRECT works ({offset_align}-byte alignment from {source})",
-    )
-
-
-def _probe_write(fd: int, path: str, mem_align: int, offset_align: int, source: str) -> DirectIOInfo:
-    if mem_align > PAGE_SIZE:
-        return DirectIOInfo(
-            path,
-            False,
-            mem_align,
-            offset_align,
-            source,
-            f"direct I/O needs {mem_align}-byte aligned memory, more than a page",
-        )
-    block = AlignedBuffer(max(offset_align, PAGE_SIZE))
-    try:
-        os.pwrite(fd, block.view, 0)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return DirectIOInfo(
-                path,
-                False,
-                mem_align,
-                offset_align,
-                source,
-                "the file system refuses O_DIRECT writes (EINVAL)",
-            )
-        raise from_os_error(exc, "pwrite", path) from exc
-    finally:
-        block.close()
-    return DirectIOInfo(
-        path,
-        True,
-        mem_align,
-        offset_align,
-        source,
-        f"O_DIRECT works ({offset_align}-byte alignment from {source})",
-    )
 
 
 HUGE_PAGE_SIZE = 2 << 20
