@@ -257,3 +257,24 @@ async def test_read_into_read_only_buffer_is_refused_and_backend_goes_on(
         assert out == b"0123456789"
     finally:
         await backend.close(fd)
+
+
+async def test_cancelled_open_does_not_leak_the_descriptor(
+    backend: aiopersist.IOBackend, tmp_path: Path
+) -> None:
+    (tmp_path / "f").write_bytes(b"x")
+    before = len(os.listdir("/proc/self/fd"))
+    outcomes = set()
+    for _ in range(20):
+        task = asyncio.create_task(backend.open(tmp_path / "f", os.O_RDONLY))
+        await asyncio.sleep(0)  # submitted, not yet completed
+        task.cancel()
+        try:
+            fd = await task
+        except asyncio.CancelledError:
+            outcomes.add("cancelled")
+        else:  # completed before the cancellation landed: the caller owns the descriptor
+            outcomes.add("opened")
+            await backend.close(fd)
+    assert "cancelled" in outcomes
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -45,7 +45,7 @@ def test_wheel_without_liburing_headers_installs_and_falls_back(tmp_path: Path) 
     check = (
         "import asyncio, tempfile, torch, aiopersist\n"
         "from aiopersist import _native\n"
-        "assert aiopersist.__file__.startswith(%r), aiopersist.__file__\n"
+        "assert aiopersist.__file__.startswith(SITE), aiopersist.__file__\n"
         "print('native', _native.has_liburing)\n"
         "async def main():\n"
         "    with tempfile.TemporaryDirectory() as d:\n"
@@ -53,7 +53,7 @@ def test_wheel_without_liburing_headers_installs_and_falls_back(tmp_path: Path) 
         "        print('backend', info.backend)\n"
         "        assert torch.equal((await aiopersist.load(d + '/c'))['x'], torch.arange(5))\n"
         "asyncio.run(main())\n"
-    ) % str(site)
+    ).replace("SITE", repr(str(site)))
     run = subprocess.run(
         [sys.executable, "-c", check],
         capture_output=True,

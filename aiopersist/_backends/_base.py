@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T")
@@ -12,28 +13,39 @@ T = TypeVar("T")
 Buffer = Any  # anything exposing the (C-contiguous) buffer protocol
 
 
-async def wait_uncancellable(fut: asyncio.Future[T]) -> T:
+async def wait_uncancellable(fut: asyncio.Future[T], discard: Callable[[T], object] | None = None) -> T:
     """Await ``fut`` to its end even if the awaiting task is cancelled meanwhile.
 
     An I/O request that was handed to the kernel (or to a worker thread) keeps using its
     buffer until it completes; the caller typically returns that buffer to a pool in a
     ``finally`` block. So a cancelled awaiter first waits for the completion, then lets
     ``CancelledError`` propagate: by the time any ``finally`` runs, the buffer is free.
+    A result that the cancellation throws away is handed to ``discard`` (an ``open``
+    closes the descriptor it got, so that it does not leak).
     """
     cancelled = False
     while True:
         try:
             result = await asyncio.shield(fut)
         except asyncio.CancelledError:
-            if fut.done():
-                # fut itself ended (result or error) while we were cancelled: surface the
-                # cancellation, the request is over.
-                raise
-            cancelled = True
-            continue
+            if not fut.done():
+                cancelled = True
+                continue
+            # The request ended in the same step as the cancellation: it is over, and the
+            # cancellation wins.
+            _discard(fut, discard)
+            raise
         if cancelled:
+            _discard(fut, discard)
             raise asyncio.CancelledError()
         return result
+
+
+def _discard(fut: asyncio.Future[T], discard: Callable[[T], object] | None) -> None:
+    if fut.cancelled():
+        return
+    if fut.exception() is None and discard is not None:  # exception(): marks an error as seen
+        discard(fut.result())
 
 
 class IOBackend(abc.ABC):

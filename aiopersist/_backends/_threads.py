@@ -85,7 +85,9 @@ class ThreadsBackend(IOBackend):
         self._in_flight -= 1
         self._slots.release()
 
-    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+    async def _run(
+        self, fn: Callable[..., T], *args: object, discard: Callable[[T], object] | None = None
+    ) -> T:
         self._check_open()
         loop = self._bind_loop()
         await self._slots.acquire()
@@ -98,7 +100,7 @@ class ThreadsBackend(IOBackend):
         # The slot is given back when the thread is done, not when the awaiter wakes: a
         # cancelled awaiter must not let a new request start while this one still runs.
         cfut.add_done_callback(lambda _f: loop.call_soon_threadsafe(self._release))
-        return await wait_uncancellable(asyncio.wrap_future(cfut, loop=loop))
+        return await wait_uncancellable(asyncio.wrap_future(cfut, loop=loop), discard)
 
     async def open(self, path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> int:
         name = os.fspath(path)
@@ -109,7 +111,7 @@ class ThreadsBackend(IOBackend):
             except OSError as exc:
                 raise from_os_error(exc, "open", name) from exc
 
-        fd = await self._run(_open)
+        fd = await self._run(_open, discard=os.close)
         self._names[fd] = name
         return fd
 

@@ -30,6 +30,11 @@ _RETRY = {errno.EINTR, errno.EAGAIN}
 _IGNORED = 0  # user_data of NOPs that stand in for entries whose preparation failed
 
 
+def _discard_result(discard: Callable[[int], object], res: int) -> None:
+    if res >= 0:
+        discard(res)
+
+
 def _prep_rw(
     prep: Callable[[Any, int, Buffer, int], Any], fd: int, buf: Buffer, offset: int, sqe: Any
 ) -> Any:
@@ -75,7 +80,13 @@ class UringBackend(IOBackend):
 
     # -- submission --------------------------------------------------------------------
 
-    async def _submit(self, prep: Callable[[Any], Any], call: str, filename: str | None) -> int:
+    async def _submit(
+        self,
+        prep: Callable[[Any], Any],
+        call: str,
+        filename: str | None,
+        discard: Callable[[int], object] | None = None,
+    ) -> int:
         """Prepare one request with ``prep(sqe)``, submit it (batched) and return ``res``."""
         self._check_open()
         if asyncio.get_running_loop() is not self._loop:
@@ -109,7 +120,10 @@ class UringBackend(IOBackend):
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
-        res = await wait_uncancellable(request.future)
+        # A negative res is an errno, not a result to discard (no descriptor to close).
+        res = await wait_uncancellable(
+            request.future, None if discard is None else functools.partial(_discard_result, discard)
+        )
         if res < 0:
             raise io_error(-res, call, filename)
         return res
@@ -219,6 +233,7 @@ class UringBackend(IOBackend):
             lambda sqe: uring.io_uring_prep_openat(sqe, raw, flags | os.O_CLOEXEC, mode),
             "io_uring openat",
             name,
+            discard=os.close,
         )
         self._names[fd] = name
         return fd
@@ -228,10 +243,16 @@ class UringBackend(IOBackend):
         # A close is not retried: after EINTR the descriptor state is unspecified.
         await self._submit(lambda sqe: uring.io_uring_prep_close(sqe, fd), "io_uring close", name)
 
-    async def _retrying(self, prep: Callable[[Any], Any], call: str, filename: str | None) -> int:
+    async def _retrying(
+        self,
+        prep: Callable[[Any], Any],
+        call: str,
+        filename: str | None,
+        discard: Callable[[int], object] | None = None,
+    ) -> int:
         while True:
             try:
-                return await self._submit(prep, call, filename)
+                return await self._submit(prep, call, filename, discard)
             except CheckpointIOError as exc:
                 if exc.errno not in _RETRY:
                     raise
