@@ -6,8 +6,12 @@ The implementation lives in private modules; this module only re-exports the pub
 from __future__ import annotations
 
 from ._api import SaveInfo as SaveInfo
+from ._api import VerifyReport as VerifyReport
 from ._api import load as load
+from ._api import load_sync as load_sync
 from ._api import save as save
+from ._api import save_sync as save_sync
+from ._api import verify as verify
 from ._backends import IOBackend as IOBackend
 from ._backends import UringProbe as UringProbe
 from ._backends import create_backend as create_backend
@@ -22,7 +26,9 @@ from ._exceptions import CheckpointExistsError as CheckpointExistsError
 from ._exceptions import CheckpointIOError as CheckpointIOError
 from ._exceptions import CheckpointNotFoundError as CheckpointNotFoundError
 from ._exceptions import DiskFullError as DiskFullError
+from ._exceptions import StateMismatchError as StateMismatchError
 from ._exceptions import UnsupportedStateError as UnsupportedStateError
+from ._rng import RNGState as RNGState
 from ._staging import StagingPool as StagingPool
 from ._stream import FileWriter as FileWriter
 from ._stream import read_segments as read_segments
@@ -40,16 +46,22 @@ __all__ = [
     "DiskFullError",
     "FileWriter",
     "IOBackend",
+    "RNGState",
     "SaveInfo",
     "StagingPool",
+    "StateMismatchError",
     "UnsupportedStateError",
     "UringProbe",
+    "VerifyReport",
     "__version__",
     "create_backend",
     "load",
+    "load_sync",
     "open_backend",
     "probe_directory",
     "probe_io_uring",
     "read_segments",
     "save",
+    "save_sync",
+    "verify",
 ]

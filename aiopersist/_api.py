@@ -1,29 +1,57 @@
-"""``save`` and ``load``: the one-shot entry points.
+"""``save`` and ``load``: the one-shot entry points, and their blocking twins.
 
-This first version stores a flat mapping of names to CPU tensors as one safetensors file
-(``model.safetensors``) in a checkpoint directory, written through the engine with direct
-I/O and published atomically; ``load`` reads such a directory or any safetensors file.
+Write path: flatten -> plan files -> stage into aligned buffers (checksummed as they
+leave) -> engine -> fsync -> manifest -> publish (temp directory, rename, fsync parent).
+Read path: manifest -> engine reads (straight into the destination where aligned) ->
+checksum -> tensors -> the object rebuilt, or loaded in place into ``into``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
+import json
 import os
+import pickle
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import torch
 
-from ._backends import open_backend
+from . import _knobs
+from ._backends import IOBackend, open_backend
 from ._commit import atomic_directory
 from ._direct import DirectIOInfo, empty_for_direct_read, probe_directory, probe_file_for_read
-from ._exceptions import CheckpointCorruptError, CheckpointNotFoundError, UnsupportedStateError
-from ._format import header_length, layout_file, parse_header, supported_dtype
+from ._exceptions import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    UnsupportedStateError,
+    from_os_error,
+)
+from ._flatten import Flattened, StoredTensor, build_view, decode, flatten
+from ._format import FileLayout, header_length, layout_file, parse_header
+from ._into import load_into
+from ._manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    FileRecord,
+    Manifest,
+    TensorRecord,
+    dump_manifest,
+    new_hasher,
+    parse_manifest,
+    safe_file_name,
+)
 from ._staging import StagingPool
 from ._stream import FileWriter, read_segments
 
 MODEL_FILE = "model.safetensors"
+MODEL_INDEX = "model.safetensors.index.json"
+PICKLE_FILE = "pickled.bin"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -33,13 +61,15 @@ class SaveInfo:
     path: str
     """Absolute path of the published checkpoint directory."""
     bytes_written: int
-    """Bytes this process wrote (headers included, alignment padding excluded)."""
+    """Bytes this process wrote (headers and manifest included, alignment padding excluded)."""
     files: tuple[str, ...]
     """The files written, relative to `path`."""
     seconds: float
     """Wall time of the whole save, publication included."""
     backend: str
     """The I/O backend that did the work (`io_uring` or `threads`)."""
+    tensor_bytes: int = 0
+    """Bytes of tensor data stored (shared storages counted once)."""
 
     @property
     def gib_per_second(self) -> float:
@@ -47,109 +77,511 @@ class SaveInfo:
         return self.bytes_written / (1 << 30) / self.seconds if self.seconds > 0 else float("inf")
 
 
-def _check_state(obj: object) -> list[tuple[str, torch.Tensor]]:
-    if not isinstance(obj, Mapping):
-        raise UnsupportedStateError(
-            f"state: expected a mapping of names to tensors, got {type(obj).__name__}"
-        )
-    items: list[tuple[str, torch.Tensor]] = []
-    for key, value in obj.items():
-        where = f"state[{key!r}]"
-        if not isinstance(key, str):
-            raise UnsupportedStateError(f"{where}: keys must be str, got {type(key).__name__}")
-        if not isinstance(value, torch.Tensor):
-            raise UnsupportedStateError(f"{where}: expected a tensor, got {type(value).__name__}")
-        if value.device.type != "cpu":
-            raise UnsupportedStateError(
-                f"{where}: tensor is on {value.device}; only CPU tensors are supported yet"
-            )
-        if value.layout != torch.strided:
-            raise UnsupportedStateError(f"{where}: {value.layout} tensors are not supported")
-        if not supported_dtype(value.dtype):
-            raise UnsupportedStateError(f"{where}: dtype {value.dtype} has no safetensors equivalent")
-        items.append((key, value))
-    return items
+# -- planning (pure) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    name: str
+    tensors: tuple[StoredTensor, ...]
+    layout: FileLayout
+
+
+def plan_files(flat: Flattened, max_shard_bytes: int) -> list[PlannedFile]:
+    """Assign stored tensors to safetensors files of at most ``max_shard_bytes`` each.
+
+    Tensors go largest dtype first (stable within a dtype size), so every tensor starts
+    at a multiple of its element size and loads can place it for direct reads. A model's
+    weights use Hugging Face's names (``model.safetensors`` or ``model-0000i-of-0000n``).
+    """
+    ordered = sorted(flat.stored, key=lambda s: -s.source.element_size())
+    shards: list[list[StoredTensor]] = [[]]
+    size = 0
+    for st in ordered:
+        if shards[-1] and size + st.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(st)
+        size += st.nbytes
+    stem = "model" if flat.model_only else "state"
+    n = len(shards)
+    out = []
+    for i, members in enumerate(shards, 1):
+        name = f"{stem}.safetensors" if n == 1 else f"{stem}-{i:05d}-of-{n:05d}.safetensors"
+        layout = layout_file([(s.name, s.source.dtype, s.source.shape) for s in members], {"format": "pt"})
+        out.append(PlannedFile(name, tuple(members), layout))
+    return out
+
+
+# -- save -----------------------------------------------------------------------------------
+
+
+async def _write_file(
+    be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingPool, parts: Sequence[bytes | torch.Tensor]
+) -> FileRecord:
+    hasher = new_hasher()
+    async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
+        for part in parts:
+            await writer.write(part)
+    return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())
 
 
 async def save(
-    obj: Mapping[str, torch.Tensor],
+    obj: object,
     path: str | os.PathLike[str],
     *,
     backend: str = "auto",
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
+    allow_pickle: bool = False,
+    max_shard_bytes: int | None = None,
 ) -> SaveInfo:
-    """Save a mapping of names to CPU tensors as a checkpoint directory at ``path``.
+    """Save ``obj`` as a checkpoint directory at ``path``; durable when it returns.
 
-    Durable when it returns: the file and the directory are fsynced and the directory is
-    renamed into place. An existing ``path`` raises
-    [`CheckpointExistsError`][aiopersist.CheckpointExistsError] unless ``overwrite=True``, which replaces
-    it only once the new checkpoint is durable.
+    ``obj`` may be an ``nn.Module``, an optimizer, LR scheduler, ``GradScaler`` or anything
+    with ``state_dict()``/``load_state_dict()``, tensors, numpy arrays, and nested dicts,
+    lists and tuples of those and of JSON scalars (``int``, ``float`` including ``nan`` and
+    ``inf``, ``bool``, ``None``, ``str``) and ``bytes``. Anything else raises
+    [`UnsupportedStateError`][aiopersist.UnsupportedStateError] naming its path, unless
+    ``allow_pickle=True`` (then it is pickled into a separate file).
+
+    Every data file is a safetensors file; a module or a flat mapping of tensors is saved
+    in the Hugging Face layout (``model.safetensors`` or shards with an index), so
+    ``from_pretrained`` reads it. An existing ``path`` raises
+    [`CheckpointExistsError`][aiopersist.CheckpointExistsError] unless ``overwrite=True``,
+    which replaces it atomically once the new checkpoint is durable.
     """
-    items = _check_state(obj)
+    if metadata is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise TypeError("metadata must map str to str")
+    flat = flatten(obj, allow_pickle=allow_pickle)
+    planned = plan_files(flat, max_shard_bytes or _knobs.shard_bytes())
+    pickled = pickle.dumps(flat.pickled, protocol=pickle.HIGHEST_PROTOCOL) if flat.pickled else None
     start = time.perf_counter()
-    layout = layout_file([(k, t.dtype, t.shape) for k, t in items], metadata)
     pool = StagingPool()
     try:
         async with open_backend(backend) as be, atomic_directory(path, overwrite=overwrite) as pending:
             dio = await asyncio.to_thread(probe_directory, pending.tmp)
-            async with FileWriter(be, os.path.join(pending.tmp, MODEL_FILE), dio, pool) as writer:
-                await writer.write(layout.header)
-                for _, tensor in items:
-                    await writer.write(tensor)
-            written = writer.bytes_written
+            jobs = [
+                _write_file(
+                    be,
+                    os.path.join(pending.tmp, pf.name),
+                    dio,
+                    pool,
+                    [pf.layout.header, *(s.source for s in pf.tensors)],
+                )
+                for pf in planned
+            ]
+            if pickled is not None:
+                jobs.append(_write_file(be, os.path.join(pending.tmp, PICKLE_FILE), dio, pool, [pickled]))
+            records = await asyncio.gather(*jobs)
+            files: dict[str, FileRecord] = {}
+            tensors: dict[str, TensorRecord] = {}
+            for pf, rec in zip(planned, records, strict=False):
+                files[pf.name] = FileRecord(pf.name, rec.nbytes, rec.checksum, pf.layout.data_offset)
+                for st, entry in zip(pf.tensors, pf.layout.entries, strict=True):
+                    tensors[st.name] = TensorRecord(
+                        st.name,
+                        pf.name,
+                        pf.layout.data_offset + entry.begin,
+                        pf.layout.data_offset + entry.end,
+                        entry.dtype,
+                        entry.shape,
+                    )
+            if pickled is not None:
+                files[PICKLE_FILE] = records[-1]
+            manifest = Manifest(
+                files=files,
+                tensors=tensors,
+                skeleton=flat.skeleton,
+                aliases=flat.aliases,
+                views=flat.views,
+                pickle_file=PICKLE_FILE if pickled is not None else None,
+                metadata=dict(metadata or {}),
+                layout="hf-model" if flat.model_only else "state",
+                created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            )
+            extra = [(MANIFEST_NAME, dump_manifest(manifest))]
+            if flat.model_only and len(planned) > 1:
+                weight_map = {t.name: t.file for t in tensors.values()}
+                index = {"metadata": {"total_size": flat.tensor_bytes}, "weight_map": weight_map}
+                extra.append((MODEL_INDEX, json.dumps(index, indent=2).encode()))
+            extra_records = await asyncio.gather(
+                *(_write_file(be, os.path.join(pending.tmp, n), dio, pool, [b]) for n, b in extra)
+            )
             backend_name = be.name
     finally:
         pool.close()
-    return SaveInfo(pending.final, written, (MODEL_FILE,), time.perf_counter() - start, backend_name)
+    written = sum(r.nbytes for r in records) + sum(r.nbytes for r in extra_records)
+    names = tuple(files) + tuple(n for n, _ in extra)
+    return SaveInfo(
+        pending.final, written, names, time.perf_counter() - start, backend_name, flat.tensor_bytes
+    )
 
 
-def _locate(path: str | os.PathLike[str]) -> tuple[str, DirectIOInfo, int]:
-    """The safetensors file to read, how to read it, and its size."""
-    name = _resolve_file(os.path.abspath(os.fspath(path)))
-    return name, probe_file_for_read(name), os.stat(name).st_size
+# -- load -----------------------------------------------------------------------------------
 
 
-def _resolve_file(path: str) -> str:
-    if os.path.isdir(path):
-        candidate = os.path.join(path, MODEL_FILE)
-        if not os.path.isfile(candidate):
-            raise CheckpointNotFoundError(f"{path}: no {MODEL_FILE} in this directory")
-        return candidate
-    if not os.path.exists(path):
-        raise CheckpointNotFoundError(f"{path}: no such checkpoint")
+@dataclass(frozen=True)
+class _Located:
+    kind: str  # "manifest", "hf-dir", "file"
+    directory: str
+    files: tuple[str, ...]  # absolute paths of data files (for hf-dir and file)
+    manifest: Manifest | None
+    dio: DirectIOInfo
+    sizes: dict[str, int]
+
+
+def _inside(directory: str, name: str, where: str) -> str:
+    path = os.path.join(directory, safe_file_name(name, where))
+    real_dir = os.path.realpath(directory)
+    if os.path.commonpath([os.path.realpath(path), real_dir]) != real_dir:
+        raise CheckpointCorruptError(f"{where}: {name!r} is a link that leads out of the checkpoint")
     return path
 
 
-async def load(path: str | os.PathLike[str], *, backend: str = "auto") -> dict[str, torch.Tensor]:
-    """Load a checkpoint saved by `save` (or any safetensors file) as a dict of CPU tensors."""
-    name, dio, size = await asyncio.to_thread(_locate, path)
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{path}: missing (the manifest lists it)") from None
+    except OSError as exc:
+        raise from_os_error(exc, "stat", path) from exc
+
+
+def _read_small(path: str, limit: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as exc:
+        raise from_os_error(exc, "open", path) from exc
+    if len(raw) > limit:
+        raise CheckpointCorruptError(f"{path}: larger than {limit} bytes")
+    return raw
+
+
+def _locate(path: str | os.PathLike[str]) -> _Located:
+    target = os.path.abspath(os.fspath(path))
+    if os.path.isdir(target):
+        mpath = os.path.join(target, MANIFEST_NAME)
+        if os.path.isfile(mpath):
+            manifest = parse_manifest(_read_small(mpath, MAX_MANIFEST_BYTES), mpath)
+            sizes = {}
+            for name, rec in manifest.files.items():
+                full = _inside(target, name, mpath)
+                sizes[name] = _size(full)
+                if sizes[name] != rec.nbytes:
+                    raise CheckpointCorruptError(
+                        f"{full}: {sizes[name]} bytes, the manifest says {rec.nbytes} (truncated or replaced)"
+                    )
+            return _Located("manifest", target, (), manifest, probe_file_for_read(mpath), sizes)
+        index = os.path.join(target, MODEL_INDEX)
+        if os.path.isfile(index):
+            try:
+                weight_map = json.loads(_read_small(index, MAX_MANIFEST_BYTES))["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointCorruptError(f"{index}: not a valid safetensors index ({exc})") from exc
+            files = tuple(_inside(target, n, index) for n in names)
+        elif os.path.isfile(os.path.join(target, MODEL_FILE)):
+            files = (os.path.join(target, MODEL_FILE),)
+        else:
+            raise CheckpointNotFoundError(f"{target}: no {MANIFEST_NAME}, {MODEL_FILE} or {MODEL_INDEX} here")
+        sizes = {f: _size(f) for f in files}
+        return _Located("hf-dir", target, files, None, probe_file_for_read(files[0]), sizes)
+    if not os.path.exists(target):
+        raise CheckpointNotFoundError(f"{target}: no such checkpoint")
+    return _Located(
+        "file", os.path.dirname(target), (target,), None, probe_file_for_read(target), {target: _size(target)}
+    )
+
+
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, offset: int, direct_ok: bool) -> torch.Tensor:
+    # Large tensors get memory the kernel can read into directly (no staging copy).
+    if direct_ok:
+        return empty_for_direct_read(shape, dtype, offset)
+    return torch.empty(shape, dtype=dtype)
+
+
+def _digest(parts: Sequence[torch.Tensor]) -> str:
+    hasher = new_hasher()
+    for part in parts:
+        if part.numel():
+            hasher.update(cast(Any, part.reshape(-1).view(torch.uint8).numpy()))
+    return str(hasher.hexdigest())
+
+
+async def _read_manifest_file(
+    be: IOBackend, loc: _Located, pool: StagingPool, rec: FileRecord, tensors: Sequence[TensorRecord]
+) -> dict[str, torch.Tensor]:
+    path = os.path.join(loc.directory, rec.name)
+    ordered = sorted(tensors, key=lambda t: t.begin)
+    out: dict[str, torch.Tensor] = {}
+    # The whole file is read, header included, so the checksum covers every byte.
+    head_len = rec.data_offset if rec.data_offset is not None else rec.nbytes
+    head = torch.empty(head_len, dtype=torch.uint8)
+    segments = [(0, head)]
+    pos = head_len
+    for t in ordered:
+        if t.begin != pos:
+            raise CheckpointCorruptError(f"{path}: bytes {pos}..{t.begin} belong to no tensor")
+        dest = _allocate(t.shape, t.dtype, t.begin, loc.dio.direct and t.nbytes >= pool.buffer_bytes)
+        out[t.name] = dest
+        segments.append((t.begin, dest.reshape(-1).view(torch.uint8)))
+        pos = t.end
+    if pos != rec.nbytes:
+        raise CheckpointCorruptError(f"{path}: {rec.nbytes - pos} bytes after the last tensor")
+    await read_segments(be, path, loc.dio, pool, segments)
+    actual = await asyncio.to_thread(_digest, [head, *(out[t.name] for t in ordered)])
+    if actual != rec.checksum:
+        raise CheckpointCorruptError(f"{path}: checksum mismatch (stored {rec.checksum}, computed {actual})")
+    if rec.data_offset is None:  # the pickle file
+        out[""] = head
+    return out
+
+
+async def _read_header(be: IOBackend, path: str, size: int) -> FileLayout:
+    """Read and check a safetensors file's header."""
+    fd = await be.open(path, os.O_RDONLY)
+    try:
+        prefix = bytearray(8)
+        got = await be.read(fd, prefix, 0)
+        n = header_length(bytes(prefix[:got]), size, path)
+        raw = bytearray(n)
+        if await be.read(fd, raw, 8) != n:
+            raise CheckpointCorruptError(f"{path}: header is truncated")
+    finally:
+        await be.close(fd)
+    return parse_header(bytes(raw), size, path)
+
+
+async def _read_safetensors(
+    be: IOBackend, path: str, loc: _Located, pool: StagingPool
+) -> dict[str, torch.Tensor]:
+    layout = await _read_header(be, path, loc.sizes[path])
+    out: dict[str, torch.Tensor] = {}
+    segments = []
+    for e in layout.entries:
+        offset = layout.data_offset + e.begin
+        t = _allocate(e.shape, e.dtype, offset, loc.dio.direct and e.nbytes >= pool.buffer_bytes)
+        out[e.name] = t
+        segments.append((offset, t.reshape(-1).view(torch.uint8)))
+    await read_segments(be, path, loc.dio, pool, segments)
+    return out
+
+
+def _rebuild(manifest: Manifest, stored: dict[str, torch.Tensor], pickled: list[object] | None) -> Any:
+    tensors = dict(stored)
+    for name, target in manifest.aliases.items():
+        tensors[name] = stored[target]
+    for name, spec in manifest.views.items():
+        tensors[name] = build_view(stored[spec.base], spec)
+
+    def tensor(name: str) -> torch.Tensor:
+        try:
+            return tensors[name]
+        except KeyError:
+            raise CheckpointCorruptError(f"manifest skeleton refers to unknown tensor {name!r}") from None
+
+    def unpickled(i: int) -> object:
+        if pickled is None:
+            raise UnsupportedStateError(
+                "the checkpoint holds pickled objects; pass allow_pickle=True to load() to unpickle them "
+                "(only for checkpoints you trust: unpickling can run code)"
+            )
+        try:
+            return pickled[i]
+        except IndexError:
+            raise CheckpointCorruptError(f"manifest skeleton refers to unknown pickled object {i}") from None
+
+    return decode(manifest.skeleton, tensor, unpickled)
+
+
+def _to_device(obj: Any, device: torch.device, memo: dict[int, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        key = id(obj)
+        if key not in memo:
+            memo[key] = obj.to(device)
+        return memo[key]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device, memo) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_device(v, device, memo) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_device(v, device, memo) for v in obj)
+    return obj
+
+
+async def load(
+    path: str | os.PathLike[str],
+    *,
+    into: object = None,
+    map_location: str | torch.device = "cpu",
+    strict: bool = True,
+    backend: str = "auto",
+    allow_pickle: bool = False,
+) -> Any:
+    """Load a checkpoint: the saved object rebuilt, or loaded in place into ``into``.
+
+    Reads an aiopersist checkpoint (checksums verified), a Hugging Face model directory
+    (``model.safetensors`` or shards with an index) or a single safetensors file. Modules
+    and other stateful objects come back as their state dicts; tied tensors come back
+    as one tensor. With ``into`` (a module, an optimizer, anything with
+    ``load_state_dict``, a tensor, or a dict or list holding those), the state is loaded
+    into it and ``into`` is returned; with ``strict``, missing or unexpected keys raise
+    [`StateMismatchError`][aiopersist.StateMismatchError] before anything is changed.
+    Pickled objects are only unpickled with ``allow_pickle=True``.
+    """
+    loc = await asyncio.to_thread(_locate, path)
     pool = StagingPool()
     try:
         async with open_backend(backend) as be:
-            fd = await be.open(name, os.O_RDONLY)
-            try:
-                prefix = bytearray(8)
-                got = await be.read(fd, prefix, 0)
-                n = header_length(bytes(prefix[:got]), size, name)
-                raw = bytearray(n)
-                if await be.read(fd, raw, 8) != n:
-                    raise CheckpointCorruptError(f"{name}: header is truncated")
-            finally:
-                await be.close(fd)
-            layout = parse_header(bytes(raw), size, name)
-            out: dict[str, torch.Tensor] = {}
-            segments = []
-            for e in layout.entries:
-                offset = layout.data_offset + e.begin
-                # Large tensors get memory the kernel can read into directly (no staging copy).
-                if dio.direct and e.nbytes >= pool.buffer_bytes:
-                    t = empty_for_direct_read(e.shape, e.dtype, offset)
-                else:
-                    t = torch.empty(e.shape, dtype=e.dtype)
-                out[e.name] = t
-                segments.append((offset, t.reshape(-1).view(torch.uint8)))
-            await read_segments(be, name, dio, pool, segments)
+            if loc.manifest is not None:
+                manifest = loc.manifest
+                by_file: dict[str, list[TensorRecord]] = {name: [] for name in manifest.files}
+                for t in manifest.tensors.values():
+                    by_file[t.file].append(t)
+                results = await asyncio.gather(
+                    *(
+                        _read_manifest_file(be, loc, pool, rec, by_file[name])
+                        for name, rec in manifest.files.items()
+                        if name != manifest.pickle_file or allow_pickle
+                    )
+                )
+                stored = {k: v for r in results for k, v in r.items() if k}
+                pickled = None
+                if manifest.pickle_file is not None and allow_pickle:
+                    blob = next(r[""] for r in results if "" in r)
+                    pickled = pickle.loads(blob.numpy().tobytes())
+                    if not isinstance(pickled, list):
+                        raise CheckpointCorruptError(f"{loc.directory}: the pickle file does not hold a list")
+                state = _rebuild(manifest, stored, pickled)
+            else:
+                parts = await asyncio.gather(*(_read_safetensors(be, f, loc, pool) for f in loc.files))
+                state = {k: v for p in parts for k, v in p.items()}
     finally:
         pool.close()
-    return out
+    if into is not None:
+        load_into(into, state, strict=strict)
+        return into
+    device = torch.device(map_location)
+    if device.type != "cpu":
+        state = _to_device(state, device, {})
+    return state
+
+
+# -- verify ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What `verify` checked."""
+
+    path: str
+    kind: str
+    """``aiopersist`` (manifest and checksums), ``hf-dir`` or ``safetensors`` (headers only)."""
+    files: tuple[str, ...]
+    bytes_checked: int
+
+
+async def _hash_file(be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingPool, size: int) -> str:
+    """xxh3 of a whole file, read through the pool's buffers with several in flight."""
+    hasher = new_hasher()
+    window = pool.buffer_bytes
+    fd = await be.open(path, os.O_RDONLY | dio.open_flags)
+    try:
+
+        async def window_at(pos: int) -> tuple[Any, int]:
+            buf = await pool.acquire()
+            try:
+                length = min(window, dio.align_up(size - pos) if dio.direct else size - pos)
+                got = await be.read(fd, buf.view[:length], pos)
+            except BaseException:
+                pool.release(buf)
+                raise
+            return buf, got
+
+        tasks = [asyncio.ensure_future(window_at(pos)) for pos in range(0, size, window)]
+        try:
+            pos = 0
+            for task in tasks:  # hashed in file order as the windows arrive
+                buf, got = await task
+                try:
+                    want = min(window, size - pos)
+                    if got < want:
+                        raise CheckpointCorruptError(f"{path}: short read at {pos} (file shrank?)")
+                    with buf.view[:want] as part:
+                        await asyncio.to_thread(hasher.update, part)
+                finally:
+                    pool.release(buf)
+                pos += window
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:  # hand back the buffers of windows that were read anyway
+                with contextlib.suppress(BaseException):
+                    buf, _ = await task
+                    pool.release(buf)
+            raise
+    finally:
+        await be.close(fd)
+    return str(hasher.hexdigest())
+
+
+async def verify(path: str | os.PathLike[str], *, backend: str = "auto") -> VerifyReport:
+    """Check a checkpoint without building it: the manifest, every file's size and
+    checksum (streamed: memory stays within the staging pool). Hugging Face directories
+    and plain safetensors files have no checksums: their headers are checked.
+
+    Raises [`CheckpointCorruptError`][aiopersist.CheckpointCorruptError] (or a sibling)
+    naming the file and the fault.
+    """
+    loc = await asyncio.to_thread(_locate, path)
+    pool = StagingPool()
+    try:
+        async with open_backend(backend) as be:
+            if loc.manifest is None:
+                for f in loc.files:
+                    await _read_header(be, f, loc.sizes[f])
+                return VerifyReport(loc.directory, loc.kind, loc.files, sum(loc.sizes.values()))
+            names = []
+            for name, rec in loc.manifest.files.items():
+                full = os.path.join(loc.directory, name)
+                actual = await _hash_file(be, full, loc.dio, pool, rec.nbytes)
+                if actual != rec.checksum:
+                    raise CheckpointCorruptError(
+                        f"{full}: checksum mismatch (stored {rec.checksum}, computed {actual})"
+                    )
+                if rec.data_offset is not None:
+                    layout = await _read_header(be, full, rec.nbytes)
+                    if layout.data_offset != rec.data_offset:
+                        raise CheckpointCorruptError(f"{full}: header does not match the manifest")
+                names.append(full)
+            return VerifyReport(loc.directory, "aiopersist", tuple(names), sum(loc.sizes.values()))
+    finally:
+        pool.close()
+
+
+# -- blocking twins -------------------------------------------------------------------------
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise RuntimeError(
+        "aiopersist.save_sync()/load_sync() called from a running event loop; use `await aiopersist.save()`"
+    )
+
+
+def save_sync(obj: object, path: str | os.PathLike[str], **kwargs: Any) -> SaveInfo:
+    """Blocking [`save`][aiopersist.save] for plain scripts (runs its own event loop)."""
+    return _run(save(obj, path, **kwargs))
+
+
+def load_sync(path: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """Blocking [`load`][aiopersist.load] for plain scripts (runs its own event loop)."""
+    return _run(load(path, **kwargs))

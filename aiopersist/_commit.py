@@ -1,7 +1,9 @@
 """Atomic publication of a checkpoint directory.
 
 A checkpoint is written into a temporary directory beside its final name, every file is
-fsynced, then the directory, then it is renamed into place and the parent is fsynced.
+fsynced, then the directory, then it is renamed into place (``renameat2``: swapped
+atomically with an older one when overwriting, never clobbering one otherwise) and the
+parent is fsynced.
 A crash at any point leaves either nothing or a complete checkpoint under the final name;
 leftover temporary directories carry `TMP_MARKER` in their name.
 """
@@ -10,14 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import os
 import shutil
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import cast
 
 from ._backends import wait_uncancellable
-from ._exceptions import CheckpointExistsError, from_os_error
+from ._exceptions import CheckpointExistsError, from_os_error, io_error
 
 TMP_MARKER = ".aiopersist-tmp-"
 OLD_MARKER = ".aiopersist-old-"
@@ -36,29 +41,83 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _load_renameat2() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return cast(Callable[..., int], fn)
+
+
+_renameat2_fn = _load_renameat2()
+
+
+def renameat2(src: str, dst: str, flags: int) -> bool:
+    """``renameat2(2)`` with ``RENAME_EXCHANGE`` or ``RENAME_NOREPLACE``.
+
+    Returns ``False`` when the C library, the kernel or the file system cannot do it (the
+    caller then falls back to plain renames); raises the typed error for real failures.
+    """
+    if _renameat2_fn is None:
+        return False
+    if _renameat2_fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    if err == errno.EEXIST:
+        raise CheckpointExistsError(f"{dst} already exists (pass overwrite=True to replace it)")
+    raise io_error(err, "renameat2", src)
+
+
 def _publish(tmp: str, final: str, overwrite: bool) -> None:
     parent = os.path.dirname(final)
     fsync_directory(tmp)
-    old: str | None = None
-    if os.path.lexists(final):
-        if not overwrite:
+    if os.path.lexists(final) and overwrite:
+        # One atomic swap: the new checkpoint takes the final name and the old one the
+        # temporary name, in a single step. A crash leaves one or the other complete
+        # under the final name, never neither.
+        if renameat2(tmp, final, RENAME_EXCHANGE):
+            fsync_directory(parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        _publish_by_two_renames(tmp, final)
+        return
+    # No clobbering of a checkpoint that appeared since the check in atomic_directory.
+    if not renameat2(tmp, final, RENAME_NOREPLACE):
+        if os.path.lexists(final) and not overwrite:
             raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
-        # The old checkpoint stays valid until the new one is durable; it is moved aside
-        # only now, and deleted only after the new one is in place.
-        old = os.path.join(parent, f".{os.path.basename(final)}{OLD_MARKER}{uuid.uuid4().hex[:12]}")
         try:
-            os.rename(final, old)
+            os.rename(tmp, final)
         except OSError as exc:
-            raise from_os_error(exc, "rename", final) from exc
+            raise from_os_error(exc, "rename", tmp) from exc
+    fsync_directory(parent)
+
+
+def _publish_by_two_renames(tmp: str, final: str) -> None:
+    """Without renameat2: move the old one aside, move the new one in. A crash between
+    the two leaves the old checkpoint complete under its moved-aside name."""
+    parent = os.path.dirname(final)
+    old = os.path.join(parent, f".{os.path.basename(final)}{OLD_MARKER}{uuid.uuid4().hex[:12]}")
+    try:
+        os.rename(final, old)
+    except OSError as exc:
+        raise from_os_error(exc, "rename", final) from exc
     try:
         os.rename(tmp, final)
     except OSError as exc:
-        if old is not None:
-            os.rename(old, final)
+        os.rename(old, final)
         raise from_os_error(exc, "rename", tmp) from exc
     fsync_directory(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass(frozen=True)

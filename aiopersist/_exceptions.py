@@ -9,7 +9,8 @@ Every error has one root, so ``except aiopersist.AiopersistError`` catches them 
     ├── CheckpointNotFoundError (FileNotFoundError)
     ├── CheckpointExistsError (FileExistsError)
     ├── CheckpointCorruptError (ValueError)   what is on disk is not a valid checkpoint
-    └── UnsupportedStateError (TypeError)     the object to save holds something unstorable
+    ├── UnsupportedStateError (TypeError)     the object to save holds something unstorable
+    └── StateMismatchError (KeyError)         load(into=...): the saved state does not fit
 
 Lower-level errors (``OSError`` from the system, errno codes returned by io_uring) are
 mapped to these in one place, `io_error`, and re-raised ``from`` the original.
@@ -74,6 +75,22 @@ class CheckpointCorruptError(AiopersistError, ValueError):
 
 class UnsupportedStateError(AiopersistError, TypeError):
     """The object to save contains something aiopersist cannot store; names its path."""
+
+
+class StateMismatchError(AiopersistError, KeyError):
+    """``load(into=...)`` with ``strict``: keys missing or unexpected, or shapes that differ.
+
+    ``missing`` and ``unexpected`` list the paths; nothing was loaded into the target.
+    """
+
+    def __init__(self, message: str, missing: list[str] | None = None, unexpected: list[str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.missing = list(missing or [])
+        self.unexpected = list(unexpected or [])
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return self.message
 
 
 _DISK_FULL = {_errno.ENOSPC, _errno.EDQUOT}

@@ -39,6 +39,11 @@ def staging_buffers() -> int:
     return _env_int("AIOPERSIST_STAGING_BUFFERS", 8)
 
 
+def shard_bytes() -> int:
+    """Largest safetensors file a save writes before starting the next (Hugging Face's 5 GB)."""
+    return _env_int("AIOPERSIST_SHARD_BYTES", 5 * 1000**3)
+
+
 def native_enabled() -> bool:
     """``AIOPERSIST_NATIVE=0`` turns the compiled io_uring module off, as if it were not built."""
     return os.environ.get("AIOPERSIST_NATIVE", "1").strip().lower() not in {"0", "false", "no", "off"}

@@ -13,16 +13,23 @@ import asyncio
 import bisect
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ._backends import IOBackend
+from ._backends._base import Buffer
 from ._direct import AlignedBuffer, DirectIOInfo, copy_bytes
 from ._exceptions import CheckpointCorruptError, from_os_error
 from ._staging import StagingPool
 
 Bytes = bytes | bytearray | memoryview
+
+
+class Hasher(Protocol):
+    """A streaming checksum (``xxhash.xxh3_64`` and ``hashlib`` objects qualify)."""
+
+    def update(self, data: Buffer, /) -> None: ...
 
 
 def as_bytes_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -63,7 +70,13 @@ class FileWriter:
     """
 
     def __init__(
-        self, backend: IOBackend, path: str | os.PathLike[str], dio: DirectIOInfo, pool: StagingPool
+        self,
+        backend: IOBackend,
+        path: str | os.PathLike[str],
+        dio: DirectIOInfo,
+        pool: StagingPool,
+        *,
+        hasher: Hasher | None = None,
     ):
         if dio.direct and pool.buffer_bytes % dio.offset_align:
             raise ValueError(
@@ -79,6 +92,7 @@ class FileWriter:
         self._fill = 0
         self._offset = 0  # file offset of the current buffer
         self._pending: list[asyncio.Task[int]] = []
+        self._hasher = hasher
         self.bytes_written = 0
 
     async def open(self) -> FileWriter:
@@ -138,6 +152,10 @@ class FileWriter:
         assert self._buf is not None
         assert self._fd is not None
         buf = self._buf
+        if self._hasher is not None:
+            # The checksum is taken from the staged bytes as they leave: no second pass.
+            with buf.view[: self._fill] as staged:
+                self._hasher.update(staged)
         piece = buf.view[:length]
         task = asyncio.ensure_future(self._backend.write(self._fd, piece, self._offset))
 

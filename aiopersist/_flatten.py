@@ -1,0 +1,347 @@
+"""Flatten: the user's object to tensor entries plus a JSON skeleton, and back (pure).
+
+Walking the object yields:
+
+- the **skeleton**: the object with every tensor replaced by a reference to a stored
+  tensor, encoded as strict JSON (see `encode`'s markers below);
+- the **stored tensors**: what gets written, each under a unique name. Tensors that share
+  storage are stored once: identical views become *aliases* of one stored tensor (tied
+  weights), different views of one storage become *views* into one stored byte span;
+- the **pickled** objects, only when the caller allowed pickle.
+
+JSON markers (a dict with exactly one of these keys):
+
+| marker | meaning |
+| --- | --- |
+| ``{"__tensor__": name}`` | a tensor (stored, alias or view) |
+| ``{"__ndarray__": name}`` | a numpy array, stored as a tensor |
+| ``{"__tuple__": [...]}`` | a tuple (``torch.Size`` too) |
+| ``{"__dict__": [[k, v], ...]}`` | a dict whose keys are not all plain strings |
+| ``{"__float__": "nan"}`` | a non-finite float (``nan``, ``inf``, ``-inf``) |
+| ``{"__bytes__": base64}`` | bytes |
+| ``{"__module__": cls, "state": ...}`` | an ``nn.Module``, by its state dict |
+| ``{"__stateful__": cls, "state": ...}`` | anything with ``state_dict``/``load_state_dict`` |
+| ``{"__pickle__": i}`` | the i-th pickled object |
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._exceptions import CheckpointCorruptError, UnsupportedStateError
+from ._format import dtype_from_name, supported_dtype
+
+MARKERS = (
+    "__tensor__",
+    "__ndarray__",
+    "__tuple__",
+    "__dict__",
+    "__float__",
+    "__bytes__",
+    "__module__",
+    "__stateful__",
+    "__pickle__",
+)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor written to a data file under ``name``; ``source`` holds its bytes."""
+
+    name: str
+    source: torch.Tensor
+    """The tensor (or the byte span of a shared storage) whose bytes are written."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel() * self.source.element_size()
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """A tensor rebuilt as a strided view into a stored byte span."""
+
+    base: str
+    offset: int
+    """Byte offset into the base span (a multiple of the dtype's size)."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass
+class Flattened:
+    """The result of `flatten`."""
+
+    skeleton: Any
+    stored: list[StoredTensor] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+    """name -> name of the stored tensor it is identical to."""
+    views: dict[str, ViewSpec] = field(default_factory=dict)
+    pickled: list[object] = field(default_factory=list)
+    model_only: bool = False
+    """The object was a module or a flat mapping of names to tensors: a model's weights."""
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(s.nbytes for s in self.stored)
+
+
+def _is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _qualname(obj: object) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _key_text(key: object) -> str:
+    return f"[{key!r}]"
+
+
+class _Walker:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.tensors: list[tuple[str, torch.Tensor]] = []  # (name, tensor) in walk order
+        self.names: set[str] = set()
+        self.pickled: list[object] = []
+        self.active: set[int] = set()
+
+    def name_for(self, parts: list[str]) -> str:
+        base = ".".join(parts) or "tensor"
+        name, n = base, 1
+        while name in self.names:
+            n += 1
+            name = f"{base}#{n}"
+        self.names.add(name)
+        return name
+
+    def tensor(self, t: torch.Tensor, parts: list[str], where: str) -> str:
+        if t.layout != torch.strided:
+            raise UnsupportedStateError(f"{where}: {t.layout} tensors are not supported")
+        if t.device.type not in ("cpu", "cuda"):
+            raise UnsupportedStateError(f"{where}: tensors on {t.device.type} are not supported")
+        if t.device.type == "cuda":
+            raise UnsupportedStateError(f"{where}: CUDA tensors are not supported by save() yet")
+        if not supported_dtype(t.dtype):
+            raise UnsupportedStateError(f"{where}: dtype {t.dtype} has no safetensors equivalent")
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        name = self.name_for(parts)
+        self.tensors.append((name, t.detach()))
+        return name
+
+    def encode(self, obj: object, parts: list[str], where: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return {"__tensor__": self.tensor(obj, parts, where)}
+        if isinstance(obj, bool) or obj is None or type(obj) in (int, str):
+            return obj
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else {"__float__": repr(float(obj))}
+        if isinstance(obj, int) and not isinstance(obj, np.generic):
+            return int(obj)  # an int subclass (IntEnum): its value
+        if isinstance(obj, bytes | bytearray):
+            return {"__bytes__": base64.b64encode(bytes(obj)).decode("ascii")}
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                return self.fallback(obj, where, "object arrays cannot be stored as tensors")
+            try:
+                t = torch.from_numpy(np.ascontiguousarray(obj))
+            except TypeError as exc:
+                return self.fallback(obj, where, f"numpy dtype {obj.dtype} has no tensor equivalent ({exc})")
+            return {"__ndarray__": self.tensor(t, parts, where)}
+        ident = id(obj)
+        if isinstance(obj, Mapping | list | tuple | torch.nn.Module) or _is_stateful(obj):
+            if ident in self.active:
+                raise UnsupportedStateError(f"{where}: the object contains itself (a reference cycle)")
+            self.active.add(ident)
+            try:
+                return self.container(obj, parts, where)
+            finally:
+                self.active.discard(ident)
+        return self.fallback(obj, where, f"{_qualname(obj)} is not a tensor, container or JSON scalar")
+
+    def container(self, obj: Any, parts: list[str], where: str) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            return {"__module__": _qualname(obj), "state": self.mapping(obj.state_dict(), parts, where)}
+        if isinstance(obj, Mapping):
+            return self.mapping(obj, parts, where)
+        if isinstance(obj, list):
+            return [self.encode(v, [*parts, str(i)], f"{where}[{i}]") for i, v in enumerate(obj)]
+        if type(obj) is tuple or isinstance(obj, torch.Size):
+            items = [self.encode(v, [*parts, str(i)], f"{where}[{i}]") for i, v in enumerate(obj)]
+            return {"__tuple__": items}
+        if isinstance(obj, tuple):  # a namedtuple or other subclass: its type would be lost
+            return self.fallback(obj, where, f"{_qualname(obj)} is a tuple subclass")
+        return {"__stateful__": _qualname(obj), "state": self.encode(obj.state_dict(), parts, where)}
+
+    def mapping(self, obj: Mapping[Any, Any], parts: list[str], where: str) -> Any:
+        plain = all(type(k) is str and not k.startswith("__") for k in obj)
+        if plain:
+            return {k: self.encode(v, [*parts, k], f"{where}{_key_text(k)}") for k, v in obj.items()}
+        pairs = []
+        for k, v in obj.items():
+            if not isinstance(k, str | int | float | tuple | type(None)):
+                raise UnsupportedStateError(
+                    f"{where}: dict key {k!r} of type {type(k).__name__} cannot be stored"
+                )
+            pairs.append(
+                [
+                    self.encode(k, parts, f"{where} (a key)"),
+                    self.encode(v, [*parts, str(k)], f"{where}{_key_text(k)}"),
+                ]
+            )
+        return {"__dict__": pairs}
+
+    def fallback(self, obj: object, where: str, why: str) -> Any:
+        if not self.allow_pickle:
+            raise UnsupportedStateError(f"{where}: {why}; pass allow_pickle=True to store it with pickle")
+        self.pickled.append(obj)
+        return {"__pickle__": len(self.pickled) - 1}
+
+
+def _view_key(t: torch.Tensor) -> tuple[object, ...]:
+    return (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    """``[start, end)`` bytes of its storage that a view can touch."""
+    size = t.element_size()
+    start = int(t.storage_offset()) * size
+    if t.numel() == 0:
+        return start, start
+    last = sum((int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * size
+
+
+def _dedupe(walker: _Walker, flat: Flattened, *, materialize_views: bool) -> None:
+    groups: dict[tuple[str, object], list[tuple[str, torch.Tensor]]] = {}  # in walk order
+    for name, t in walker.tensors:
+        storage = t.untyped_storage()
+        # Empty tensors share no bytes with anything, whatever their data pointer says.
+        key = (
+            ("empty", name)
+            if t.numel() == 0 or storage.nbytes() == 0
+            else (str(t.device), storage.data_ptr())
+        )
+        groups.setdefault(key, []).append((name, t))
+    for members in groups.values():
+        distinct = {_view_key(t) for _, t in members}
+        if len(distinct) == 1 or materialize_views:
+            # Identical views (tied weights) are stored once; with materialize_views, each
+            # distinct view is stored as a tensor of its own, as the Hugging Face layout
+            # needs (a model's weights under their own names).
+            firsts: dict[tuple[object, ...], str] = {}
+            for name, t in members:
+                first_name = firsts.setdefault(_view_key(t), name)
+                if first_name == name:
+                    flat.stored.append(StoredTensor(name, t))
+                else:
+                    flat.aliases[name] = first_name
+            continue
+        # Different views of one storage: store the bytes they cover once, rebuild each.
+        extents = [_byte_extent(t) for _, t in members]
+        span_start = min(s for s, _ in extents) // 16 * 16  # a multiple of every itemsize
+        span_end = max(e for _, e in extents)
+        storage = members[0][1].untyped_storage()
+        span = torch.empty(0, dtype=torch.uint8).set_(storage, span_start, (span_end - span_start,), (1,))
+        base = walker.name_for([f"__storage__{len(flat.stored)}"])
+        flat.stored.append(StoredTensor(base, span))
+        for (name, t), (start, _) in zip(members, extents, strict=True):
+            flat.views[name] = ViewSpec(base, start - span_start, t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
+def flatten(obj: object, *, allow_pickle: bool = False) -> Flattened:
+    """Walk ``obj``; see the module docstring. Raises `UnsupportedStateError` naming the
+    path (``state['optim']['param_groups'][0]['betas']``) of anything it cannot store."""
+    walker = _Walker(allow_pickle)
+    skeleton = walker.encode(obj, [], "state")
+    model_only = isinstance(obj, torch.nn.Module) or (
+        isinstance(obj, Mapping) and all(isinstance(v, torch.Tensor) for v in obj.values())
+    )
+    flat = Flattened(skeleton, pickled=walker.pickled, model_only=model_only)
+    _dedupe(walker, flat, materialize_views=model_only)
+    return flat
+
+
+# -- back -----------------------------------------------------------------------------------
+
+
+def build_view(base: torch.Tensor, spec: ViewSpec) -> torch.Tensor:
+    """The tensor ``spec`` describes, sharing ``base``'s (uint8) storage."""
+    size = spec.dtype.itemsize
+    if spec.offset % size:
+        raise CheckpointCorruptError(f"view offset {spec.offset} is not a multiple of {size}")
+    out = torch.empty(0, dtype=spec.dtype)
+    byte_start = base.storage_offset() + spec.offset
+    out.set_(base.untyped_storage(), byte_start // size, spec.shape, spec.stride)
+    start, end = _byte_extent(out)
+    if end > base.untyped_storage().nbytes() or start < 0:
+        raise CheckpointCorruptError(f"view of {spec.base!r} reaches past its bytes")
+    return out
+
+
+def decode(
+    node: Any,
+    tensor: Callable[[str], torch.Tensor],
+    pickled: Callable[[int], object],
+) -> Any:
+    """Rebuild an object from its skeleton; ``tensor(name)`` resolves stored tensors."""
+    if isinstance(node, list):
+        return [decode(v, tensor, pickled) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if len(node) >= 1:
+        marker = next(iter(node))
+        if marker in MARKERS:
+            return _decode_marker(marker, node, tensor, pickled)
+    return {k: decode(v, tensor, pickled) for k, v in node.items()}
+
+
+def _decode_marker(
+    marker: str, node: dict[str, Any], tensor: Callable[[str], torch.Tensor], pickled: Callable[[int], object]
+) -> Any:
+    value = node[marker]
+    try:
+        if marker == "__tensor__":
+            return tensor(value)
+        if marker == "__ndarray__":
+            return tensor(value).numpy()
+        if marker == "__tuple__":
+            return tuple(decode(v, tensor, pickled) for v in value)
+        if marker == "__dict__":
+            return {_key(decode(k, tensor, pickled)): decode(v, tensor, pickled) for k, v in value}
+        if marker == "__float__":
+            if value not in ("nan", "inf", "-inf"):
+                raise ValueError(value)
+            return float(value)
+        if marker == "__bytes__":
+            return base64.b64decode(value, validate=True)
+        if marker in ("__module__", "__stateful__"):
+            return decode(node["state"], tensor, pickled)
+        if marker == "__pickle__":
+            return pickled(int(value))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"manifest skeleton: bad {marker} entry {node!r}: {exc}") from exc
+    raise AssertionError(marker)  # pragma: no cover
+
+
+def _key(key: Any) -> Any:
+    if isinstance(key, list | dict):
+        raise ValueError(f"unhashable dict key {key!r}")
+    return key
+
+
+def dtype_of(name: str) -> torch.dtype:
+    try:
+        return dtype_from_name(name)
+    except KeyError:
+        raise CheckpointCorruptError(f"unknown dtype {name!r}") from None
