@@ -162,12 +162,12 @@ async def test_cancellation_waits_for_requests_in_flight(
 ) -> None:
     """A cancelled writer only sees CancelledError once the kernel is done with its buffers."""
     fd = await backend.open(tmp_path / "c", RW)
-    bufs = [AlignedBuffer(1 << 20) for _ in range(16)]
+    bufs = [AlignedBuffer(4 << 20) for _ in range(32)]
     started = asyncio.Event()
     in_flight_at_cancel: list[int] = []
 
     async def writer() -> None:
-        tasks = [asyncio.ensure_future(backend.write(fd, b.view, i << 20)) for i, b in enumerate(bufs)]
+        tasks = [asyncio.ensure_future(backend.write(fd, b.view, i << 22)) for i, b in enumerate(bufs)]
         await asyncio.sleep(0)
         started.set()
         try:
@@ -180,6 +180,10 @@ async def test_cancellation_waits_for_requests_in_flight(
 
     task = asyncio.create_task(writer())
     await started.wait()
+    for _ in range(100_000):  # until a request is in flight (bounded), then cancel at once
+        if backend.in_flight > 0:
+            break
+        await asyncio.sleep(0)
     assert backend.in_flight > 0
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
