@@ -373,10 +373,10 @@ async def _read_safetensors(
 
 def _rebuild(manifest: Manifest, stored: dict[str, torch.Tensor], pickled: list[object] | None) -> Any:
     tensors = dict(stored)
-    for name, target in manifest.aliases.items():
-        tensors[name] = stored[target]
     for name, spec in manifest.views.items():
         tensors[name] = build_view(stored[spec.base], spec)
+    for name, target in manifest.aliases.items():
+        tensors[name] = tensors[target]
 
     def tensor(name: str) -> torch.Tensor:
         try:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._exceptions import CheckpointCorruptError, UnsupportedStateError
+from ._exceptions import AiopersistError, CheckpointCorruptError, UnsupportedStateError
 from ._format import dtype_from_name, supported_dtype
 
 MARKERS = (
@@ -255,7 +255,12 @@ def _dedupe(walker: _Walker, flat: Flattened, *, materialize_views: bool) -> Non
         span = torch.empty(0, dtype=torch.uint8).set_(storage, span_start, (span_end - span_start,), (1,))
         base = walker.name_for([f"__storage__{len(flat.stored)}"])
         flat.stored.append(StoredTensor(base, span))
+        firsts = {}
         for (name, t), (start, _) in zip(members, extents, strict=True):
+            first_name = firsts.setdefault(_view_key(t), name)
+            if first_name != name:
+                flat.aliases[name] = first_name  # the very same view: one object on load
+                continue
             flat.views[name] = ViewSpec(base, start - span_start, t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
@@ -329,6 +334,8 @@ def _decode_marker(
             return decode(node["state"], tensor, pickled)
         if marker == "__pickle__":
             return pickled(int(value))
+    except AiopersistError:
+        raise
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(f"manifest skeleton: bad {marker} entry {node!r}: {exc}") from exc
     raise AssertionError(marker)  # pragma: no cover

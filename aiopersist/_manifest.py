@@ -211,10 +211,6 @@ def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
                 f"{where}: tensor {name!r} has offsets {[begin, end]} that do not fit"
             )
         tensors[name] = TensorRecord(name, file, begin, end, dtype, shape)
-    aliases = {str(k): str(v) for k, v in doc["aliases"].items()}
-    for name, target in aliases.items():
-        if target not in tensors:
-            raise CheckpointCorruptError(f"{where}: alias {name!r} points to unknown tensor {target!r}")
     views: dict[str, ViewSpec] = {}
     for name, spec in doc["views"].items():
         if spec["base"] not in tensors:
@@ -226,6 +222,10 @@ def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
             _shape(spec["shape"], f"shape of view {name!r}", where),
             _shape(spec["stride"], f"stride of view {name!r}", where),
         )
+    aliases = {str(k): str(v) for k, v in doc["aliases"].items()}
+    for name, target in aliases.items():
+        if target not in tensors and target not in views:
+            raise CheckpointCorruptError(f"{where}: alias {name!r} points to unknown tensor {target!r}")
     pickle_file = doc.get("pickle")
     if pickle_file is not None:
         safe_file_name(pickle_file, where)

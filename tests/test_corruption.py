@@ -1,0 +1,159 @@
+"""Bad checkpoints on disk: every fault is a typed error naming the file, never a wrong tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+import aiopersist
+from aiopersist._manifest import _canonical
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _checkpoint(tmp_path: Path, backend_name: str) -> Path:
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(256, 256), "b": torch.randn(256)}, "step": 3}
+    await aiopersist.save(state, tmp_path / "c", backend=backend_name)
+    return tmp_path / "c"
+
+
+def _rewrite_manifest(ckpt: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Edit the manifest and re-seal it, as a forger (or a buggy writer) would."""
+    doc = json.loads((ckpt / "aiopersist.json").read_text())
+    doc.pop("manifest_checksum")
+    change(doc)
+    doc["manifest_checksum"] = xxhash.xxh3_64_hexdigest(_canonical(doc))
+    (ckpt / "aiopersist.json").write_text(json.dumps(doc))
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+async def _both_fail(
+    ckpt: Path, backend_name: str, match: str, exc: type[Exception] = aiopersist.CheckpointCorruptError
+) -> None:
+    with pytest.raises(exc, match=match):
+        await aiopersist.load(ckpt, backend=backend_name)
+    with pytest.raises(exc, match=match):
+        await aiopersist.verify(ckpt, backend=backend_name)
+
+
+async def test_intact_checkpoint_verifies(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    report = await aiopersist.verify(ckpt, backend=backend_name)
+    assert report.kind == "aiopersist"
+    assert report.bytes_checked == (ckpt / "state.safetensors").stat().st_size
+
+
+async def test_flipped_data_byte(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    _flip(ckpt / "state.safetensors", 4096 + 1000)
+    await _both_fail(ckpt, backend_name, r"state\.safetensors: checksum mismatch")
+
+
+async def test_flipped_header_byte(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    _flip(ckpt / "state.safetensors", 20)
+    await _both_fail(ckpt, backend_name, r"state\.safetensors: checksum mismatch")
+
+
+async def test_flipped_manifest_byte(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    raw = (ckpt / "aiopersist.json").read_bytes()
+    at = raw.index(b'"step":3') + len(b'"step":')
+    (ckpt / "aiopersist.json").write_bytes(raw[:at] + b"4" + raw[at + 1 :])  # still valid JSON
+    await _both_fail(ckpt, backend_name, r"aiopersist\.json: manifest checksum mismatch")
+
+
+async def test_truncated_file(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    f = ckpt / "state.safetensors"
+    os.truncate(f, f.stat().st_size - 1)
+    await _both_fail(ckpt, backend_name, r"state\.safetensors: \d+ bytes, the manifest says \d+")
+
+
+async def test_missing_file(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    (ckpt / "state.safetensors").unlink()
+    await _both_fail(ckpt, backend_name, r"state\.safetensors: missing")
+
+
+async def test_newer_format_version(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    _rewrite_manifest(ckpt, lambda d: d.update(version=99))
+    await _both_fail(ckpt, backend_name, r"format version 99 is newer")
+
+
+@pytest.mark.parametrize("bad", ["../outside.safetensors", "/etc/passwd", "sub/dir.safetensors", ".."])
+async def test_manifest_paths_cannot_escape(backend_name: str, tmp_path: Path, bad: str) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+
+    def rename(doc: dict[str, Any]) -> None:
+        doc["files"][bad] = doc["files"].pop("state.safetensors")
+        for t in doc["tensors"].values():
+            t["file"] = bad
+
+    _rewrite_manifest(ckpt, rename)
+    await _both_fail(ckpt, backend_name, r"would escape the checkpoint directory")
+
+
+async def test_symlink_out_of_the_checkpoint(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    outside = tmp_path / "elsewhere.safetensors"
+    (ckpt / "state.safetensors").rename(outside)
+    (ckpt / "state.safetensors").symlink_to(outside)
+    await _both_fail(ckpt, backend_name, r"a link that leads out of the checkpoint")
+
+
+async def test_offsets_past_the_file(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+
+    def stretch(doc: dict[str, Any]) -> None:
+        t = doc["tensors"]["model.b"]
+        t["offsets"] = [t["offsets"][0] + 10**9, t["offsets"][1] + 10**9]
+
+    _rewrite_manifest(ckpt, stretch)
+    await _both_fail(ckpt, backend_name, r"'model\.b' has offsets .* that do not fit")
+
+
+async def test_skeleton_pointing_nowhere(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    _rewrite_manifest(ckpt, lambda d: d["skeleton"]["model"].update(w={"__tensor__": "nope"}))
+    with pytest.raises(aiopersist.CheckpointCorruptError, match="unknown tensor 'nope'"):
+        await aiopersist.load(ckpt, backend=backend_name)
+
+
+async def test_not_json_manifest(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    (ckpt / "aiopersist.json").write_bytes(b"\x00garbage")
+    await _both_fail(ckpt, backend_name, r"aiopersist\.json: not valid JSON")
+
+
+async def test_absurd_header_length_in_plain_file(backend_name: str, tmp_path: Path) -> None:
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(struct.pack("<Q", 1 << 62) + b"{}")
+    await _both_fail(f, backend_name, r"x\.safetensors: header length \d+ is absurd")
+
+
+async def test_corrupt_save_never_replaces_the_good_one(backend_name: str, tmp_path: Path) -> None:
+    """overwrite=True with bad input: the old checkpoint stays, byte for byte."""
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    with pytest.raises(aiopersist.UnsupportedStateError):
+        await aiopersist.save({"bad": object()}, ckpt, backend=backend_name, overwrite=True)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["c"]
