@@ -213,3 +213,38 @@ async def test_large_tensors_load_straight_into_their_memory(
     del loaded
     big.mul_(2)  # an ordinary, writable tensor that outlives everything else (x2 is exact)
     assert torch.equal(big, state["big"] * 2)
+
+
+async def test_kill_9_at_random_moments_keeps_a_whole_checkpoint(tmp_path: Path) -> None:
+    """A process overwriting one checkpoint in a loop is killed at random moments: what is
+    under the final name is always one complete save, never a mix or a half."""
+    import random
+    import signal
+
+    script = f"""
+import os, sys, torch, aiopersist
+path = {str(tmp_path / "c")!r}
+step = 0
+while True:
+    step += 1
+    w, v = torch.full((4, 1 << 20), float(step)), torch.full((1000,), float(step))
+    state = {{"step": step, "w": w, "v": v}}
+    aiopersist.save_sync(state, path, overwrite=True)
+    print(step, flush=True)
+"""
+    rng = random.Random(1234)
+    for _trial in range(5):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE
+        )
+        assert proc.stdout is not None
+        await proc.stdout.readline()  # one save is complete
+        await asyncio.sleep(rng.uniform(0.0, 0.4))
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+        await aiopersist.verify(tmp_path / "c")
+        back = await aiopersist.load(tmp_path / "c")
+        step = back["step"]
+        assert torch.equal(back["w"], torch.full((4, 1 << 20), float(step)))
+        assert torch.equal(back["v"], torch.full((1000,), float(step)))
+        assert not [n for n in os.listdir(tmp_path) if n != "c" and ".aiopersist-tmp-" not in n]
