@@ -9,6 +9,7 @@ checksum -> tensors -> the object rebuilt, or loaded in place into ``into``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime
 import json
@@ -24,7 +25,7 @@ import torch
 from . import _knobs
 from ._backends import IOBackend, open_backend
 from ._commit import atomic_directory
-from ._direct import DirectIOInfo, empty_for_direct_read, probe_directory, probe_file_for_read
+from ._direct import AlignedBuffer, DirectIOInfo, empty_for_direct_read, probe_directory, probe_file_for_read
 from ._exceptions import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -297,10 +298,26 @@ def _locate(path: str | os.PathLike[str]) -> _Located:
     )
 
 
-def _allocate(shape: tuple[int, ...], dtype: torch.dtype, offset: int, direct_ok: bool) -> torch.Tensor:
+class _Prefaulter:
+    """Faults destination memory in, in file order, in one background thread, so that the
+    page faults and zeroing of fresh memory overlap the reads instead of stalling them."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiopersist-prefault")
+
+    def __call__(self, mem: AlignedBuffer) -> None:
+        self._pool.submit(mem.populate)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _allocate(
+    shape: tuple[int, ...], dtype: torch.dtype, offset: int, direct_ok: bool, prefault: _Prefaulter
+) -> torch.Tensor:
     # Large tensors get memory the kernel can read into directly (no staging copy).
     if direct_ok:
-        return empty_for_direct_read(shape, dtype, offset)
+        return empty_for_direct_read(shape, dtype, offset, prefault)
     return torch.empty(shape, dtype=dtype)
 
 
@@ -313,7 +330,12 @@ def _digest(parts: Sequence[torch.Tensor]) -> str:
 
 
 async def _read_manifest_file(
-    be: IOBackend, loc: _Located, pool: StagingPool, rec: FileRecord, tensors: Sequence[TensorRecord]
+    be: IOBackend,
+    loc: _Located,
+    pool: StagingPool,
+    prefault: _Prefaulter,
+    rec: FileRecord,
+    tensors: Sequence[TensorRecord],
 ) -> dict[str, torch.Tensor]:
     path = os.path.join(loc.directory, rec.name)
     ordered = sorted(tensors, key=lambda t: t.begin)
@@ -326,7 +348,9 @@ async def _read_manifest_file(
     for t in ordered:
         if t.begin != pos:
             raise CheckpointCorruptError(f"{path}: bytes {pos}..{t.begin} belong to no tensor")
-        dest = _allocate(t.shape, t.dtype, t.begin, loc.dio.direct and t.nbytes >= pool.buffer_bytes)
+        dest = _allocate(
+            t.shape, t.dtype, t.begin, loc.dio.direct and t.nbytes >= pool.buffer_bytes, prefault
+        )
         out[t.name] = dest
         segments.append((t.begin, dest.reshape(-1).view(torch.uint8)))
         pos = t.end
@@ -357,14 +381,14 @@ async def _read_header(be: IOBackend, path: str, size: int) -> FileLayout:
 
 
 async def _read_safetensors(
-    be: IOBackend, path: str, loc: _Located, pool: StagingPool
+    be: IOBackend, path: str, loc: _Located, pool: StagingPool, prefault: _Prefaulter
 ) -> dict[str, torch.Tensor]:
     layout = await _read_header(be, path, loc.sizes[path])
     out: dict[str, torch.Tensor] = {}
     segments = []
     for e in layout.entries:
         offset = layout.data_offset + e.begin
-        t = _allocate(e.shape, e.dtype, offset, loc.dio.direct and e.nbytes >= pool.buffer_bytes)
+        t = _allocate(e.shape, e.dtype, offset, loc.dio.direct and e.nbytes >= pool.buffer_bytes, prefault)
         out[e.name] = t
         segments.append((offset, t.reshape(-1).view(torch.uint8)))
     await read_segments(be, path, loc.dio, pool, segments)
@@ -435,6 +459,7 @@ async def load(
     """
     loc = await asyncio.to_thread(_locate, path)
     pool = StagingPool()
+    prefault = _Prefaulter()
     try:
         async with open_backend(backend) as be:
             if loc.manifest is not None:
@@ -444,7 +469,7 @@ async def load(
                     by_file[t.file].append(t)
                 results = await asyncio.gather(
                     *(
-                        _read_manifest_file(be, loc, pool, rec, by_file[name])
+                        _read_manifest_file(be, loc, pool, prefault, rec, by_file[name])
                         for name, rec in manifest.files.items()
                         if name != manifest.pickle_file or allow_pickle
                     )
@@ -458,9 +483,12 @@ async def load(
                         raise CheckpointCorruptError(f"{loc.directory}: the pickle file does not hold a list")
                 state = _rebuild(manifest, stored, pickled)
             else:
-                parts = await asyncio.gather(*(_read_safetensors(be, f, loc, pool) for f in loc.files))
+                parts = await asyncio.gather(
+                    *(_read_safetensors(be, f, loc, pool, prefault) for f in loc.files)
+                )
                 state = {k: v for p in parts for k, v in p.items()}
     finally:
+        prefault.close()
         pool.close()
     if into is not None:
         load_into(into, state, strict=strict)

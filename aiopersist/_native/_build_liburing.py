@@ -26,6 +26,7 @@ unsigned io_uring_sq_space_left(const struct io_uring *ring);
 int io_uring_submit(struct io_uring *ring);
 
 void io_uring_sqe_set_data64(struct io_uring_sqe *sqe, uint64_t data);
+void io_uring_sqe_set_flags(struct io_uring_sqe *sqe, unsigned flags);
 void io_uring_prep_nop(struct io_uring_sqe *sqe);
 void io_uring_prep_write(struct io_uring_sqe *sqe, int fd, const void *buf, unsigned nbytes, uint64_t offset);
 void io_uring_prep_read(struct io_uring_sqe *sqe, int fd, void *buf, unsigned nbytes, uint64_t offset);
@@ -49,6 +50,7 @@ int io_uring_register_buffers(struct io_uring *ring, const struct iovec *iovecs,
 int io_uring_unregister_buffers(struct io_uring *ring);
 
 #define IORING_FSYNC_DATASYNC ...
+#define IOSQE_ASYNC ...
 #define AT_FDCWD ...
 
 struct aiop_dioalign { uint32_t supported; uint32_t mem_align; uint32_t offset_align; };

@@ -27,6 +27,7 @@ Buffer = Any  # anything exposing the buffer protocol (memoryview, mmap, bytearr
 
 IORING_FSYNC_DATASYNC: int = lib.IORING_FSYNC_DATASYNC
 AT_FDCWD: int = lib.AT_FDCWD
+IOSQE_ASYNC: int = lib.IOSQE_ASYNC
 
 
 def _check(ret: int, call: str, filename: str | None = None) -> int:
@@ -78,6 +79,10 @@ def io_uring_sq_space_left(ring: Ring) -> int:
 
 def io_uring_sqe_set_data64(sqe: Any, data: int) -> None:
     lib.io_uring_sqe_set_data64(sqe, data)
+
+
+def io_uring_sqe_set_flags(sqe: Any, flags: int) -> None:
+    lib.io_uring_sqe_set_flags(sqe, flags)
 
 
 def io_uring_prep_nop(sqe: Any) -> None:
