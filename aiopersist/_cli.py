@@ -1,25 +1,37 @@
-"""The ``aiopersist`` command line: ``doctor``, ``demo`` and ``bench``."""
+"""The ``aiopersist`` command line: ``doctor``, ``demo``, ``bench``, and ``inspect``,
+``verify`` and ``convert`` for checkpoints."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
+import math
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
+    from ._format import FileLayout
+    from ._manifest import Manifest
+
 from ._backends import describe_platform, probe_io_uring
 from ._direct import probe_directory
-from ._exceptions import AiopersistError
+from ._exceptions import (
+    AiopersistError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    UnsupportedStateError,
+)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -150,6 +162,430 @@ def _bench_raw(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- inspect --------------------------------------------------------------------------------
+
+
+def describe(path: str | os.PathLike[str], *, backend: str = "auto") -> dict[str, Any]:
+    """What ``aiopersist inspect --json`` prints about the checkpoint at ``path``.
+
+    ``path`` is an aiopersist checkpoint directory, a Hugging Face model directory or a
+    safetensors file. Only the manifest or the safetensors headers are read, never the
+    tensor data, so this is fast however large the checkpoint. Raises
+    `CheckpointNotFoundError` or `CheckpointCorruptError` when the manifest or a header
+    is unusable; a data file whose size differs from the manifest's is reported in its
+    ``problem`` field instead (``aiopersist verify`` checks the data).
+    """
+    from ._api import _locate, _read_small
+    from ._manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest
+
+    target = os.path.abspath(os.fspath(path))
+    mpath = os.path.join(target, MANIFEST_NAME)
+    if os.path.isdir(target) and os.path.isfile(mpath):
+        manifest = parse_manifest(_read_small(mpath, MAX_MANIFEST_BYTES), mpath)
+        return _describe_manifest(target, manifest)
+    loc = _locate(target)
+    layouts = asyncio.run(_read_headers(loc.files, loc.sizes, backend))
+    files: list[dict[str, Any]] = []
+    tensors: list[dict[str, Any]] = []
+    metadata: dict[str, str] = {}
+    for full, layout in zip(loc.files, layouts, strict=True):
+        name = os.path.relpath(full, loc.directory)
+        files.append({"name": name, "bytes": loc.sizes[full], "checksum": None, "problem": None})
+        for key, value in layout.metadata.items():
+            metadata.setdefault(key, value)
+        tensors.extend(_row(e.name, e.dtype, e.shape, name, "stored") for e in layout.entries)
+    return _document(
+        target,
+        "hf-dir" if loc.kind == "hf-dir" else "safetensors",
+        version=None,
+        layout="hf-model" if loc.kind == "hf-dir" else "safetensors",
+        created=None,
+        metadata=metadata,
+        files=files,
+        tensors=tensors,
+        pickle_file=None,
+    )
+
+
+async def _read_headers(files: Sequence[str], sizes: Mapping[str, int], backend: str) -> list[FileLayout]:
+    from ._api import _read_header
+    from ._backends import open_backend
+
+    async with open_backend(backend) as be:
+        return [await _read_header(be, f, sizes[f]) for f in files]
+
+
+def _row(
+    name: str,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    file: str,
+    kind: str,
+    *,
+    alias_of: str | None = None,
+    view_of: str | None = None,
+    numpy: bool = False,
+) -> dict[str, Any]:
+    from ._format import dtype_name
+
+    return {
+        "name": name,
+        "dtype": dtype_name(dtype),
+        "shape": list(shape),
+        "bytes": math.prod(shape) * dtype.itemsize,
+        "file": file,
+        "kind": kind,
+        "alias_of": alias_of,
+        "view_of": view_of,
+        "numpy": numpy,
+    }
+
+
+def _document(target: str, kind: str, **fields: Any) -> dict[str, Any]:
+    tensors = fields["tensors"]
+    count = {k: sum(1 for t in tensors if t["kind"] == k) for k in ("stored", "alias", "view", "storage")}
+    totals = {
+        "tensors": count["stored"] + count["alias"] + count["view"],
+        "stored": count["stored"],
+        "aliases": count["alias"],
+        "views": count["view"],
+        "storage_spans": count["storage"],
+        "bytes": sum(t["bytes"] for t in tensors if t["kind"] in ("stored", "storage")),
+    }
+    return {"path": target, "kind": kind, **fields, "totals": totals}
+
+
+def _describe_manifest(target: str, m: Manifest) -> dict[str, Any]:
+    files = []
+    for rec in m.files.values():
+        try:
+            on_disk: int | None = os.stat(os.path.join(target, rec.name)).st_size
+        except FileNotFoundError:
+            on_disk = None
+        problem = None
+        if on_disk is None:
+            problem = "missing"
+        elif on_disk != rec.nbytes:
+            problem = f"{on_disk} bytes on disk, the manifest says {rec.nbytes}"
+        files.append({"name": rec.name, "bytes": rec.nbytes, "checksum": rec.checksum, "problem": problem})
+
+    # The tensors in the order the saved object holds them (the skeleton's order), each
+    # alias target or view base just before its first user; anything the skeleton does
+    # not name comes last, in the manifest's order.
+    referenced: list[tuple[str, bool]] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, dict):
+            marker = next(iter(node), None)
+            if marker in ("__tensor__", "__ndarray__") and isinstance(node[marker], str):
+                referenced.append((node[marker], marker == "__ndarray__"))
+                return
+            for v in node.values():
+                walk(v)
+
+    walk(m.skeleton)
+    names = {n for n, _ in referenced}
+    rows: list[dict[str, Any]] = []
+    done: set[str] = set()
+    view_bases = {spec.base for spec in m.views.values()}
+
+    def emit(name: str, numpy: bool = False) -> None:
+        if name in done:
+            return
+        if name in m.aliases:
+            target_name = m.aliases[name]
+            emit(target_name)
+            rec = m.tensors[target_name]
+            row = _row(name, rec.dtype, rec.shape, rec.file, "alias", alias_of=target_name, numpy=numpy)
+        elif name in m.views:
+            spec = m.views[name]
+            emit(spec.base)
+            row = _row(
+                name,
+                spec.dtype,
+                spec.shape,
+                m.tensors[spec.base].file,
+                "view",
+                view_of=spec.base,
+                numpy=numpy,
+            )
+        elif name in m.tensors:
+            rec = m.tensors[name]
+            kind = "storage" if name in view_bases and name not in names else "stored"
+            row = _row(name, rec.dtype, rec.shape, rec.file, kind, numpy=numpy)
+        else:
+            raise CheckpointCorruptError(
+                f"{target}: the manifest's skeleton refers to unknown tensor {name!r}"
+            )
+        done.add(name)
+        rows.append(row)
+
+    for name, numpy in referenced:
+        emit(name, numpy)
+    for name in [*m.tensors, *m.aliases, *m.views]:
+        emit(name)
+    return _document(
+        target,
+        "aiopersist",
+        version=m.version,
+        layout=m.layout,
+        created=m.created or None,
+        metadata=dict(m.metadata),
+        files=files,
+        tensors=rows,
+        pickle_file=m.pickle_file,
+    )
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [
+            f"{c:>{w}}" if i in right else f"{c:<{w}}"
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  " + "  ".join(cells).rstrip())
+    return lines
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def format_description(doc: Mapping[str, Any]) -> str:
+    """The text ``aiopersist inspect`` prints for a `describe` document."""
+    head: list[tuple[str, str]] = [
+        ("path", doc["path"]),
+        ("kind", doc["kind"]),
+        ("version", str(doc["version"]) if doc["version"] is not None else "-"),
+        ("layout", doc["layout"]),
+        ("created", doc["created"] or "-"),
+    ]
+    meta = [f"{k}: {v}" for k, v in doc["metadata"].items()] or ["-"]
+    head.append(("metadata", meta[0]))
+    head.extend(("", line) for line in meta[1:])
+    width = max(len(k) for k, _ in head)
+    lines = [f"{k:<{width}}  {v}".rstrip() for k, v in head]
+
+    files = doc["files"]
+    lines += ["", f"files ({len(files)}):"]
+    file_rows = []
+    for f in files:
+        note = f["problem"] or ("pickled objects" if f["name"] == doc["pickle_file"] else "")
+        file_rows.append([f["name"], str(f["bytes"]), f["checksum"] or "-", note])
+    lines += _table(["name", "bytes", "checksum", "note"], file_rows, right=[1])
+
+    tensors = doc["tensors"]
+    lines += ["", "tensors:"]
+    tensor_rows = []
+    for t in tensors:
+        notes = []
+        if t["alias_of"]:
+            notes.append(f"-> {t['alias_of']}")
+        if t["view_of"]:
+            notes.append(f"view of {t['view_of']}")
+        if t["kind"] == "storage":
+            notes.append("bytes shared by views")
+        if t["numpy"]:
+            notes.append("numpy array")
+        shape = "[" + ", ".join(str(s) for s in t["shape"]) + "]"
+        tensor_rows.append([t["name"], t["dtype"], shape, str(t["bytes"]), t["file"], ", ".join(notes)])
+    if tensor_rows:
+        lines += _table(["name", "dtype", "shape", "bytes", "file", "note"], tensor_rows, right=[3])
+    else:
+        lines.append("  (none)")
+
+    tot = doc["totals"]
+    parts = [_plural(tot["stored"], "stored", "stored")]
+    if tot["aliases"]:
+        parts.append(_plural(tot["aliases"], "alias", "aliases"))
+    if tot["views"]:
+        parts.append(_plural(tot["views"], "view") + f" of {_plural(tot['storage_spans'], 'shared storage')}")
+    lines += [
+        "",
+        f"total: {_plural(tot['tensors'], 'tensor')} ({', '.join(parts)}), "
+        f"{tot['bytes']} bytes of tensor data ({_human(tot['bytes'])})",
+    ]
+    problems = [f["name"] for f in files if f["problem"]]
+    if problems:
+        lines.append(f"warning: not as the manifest says: {', '.join(problems)}; run `aiopersist verify`")
+    return "\n".join(lines)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    doc = describe(args.path, backend=args.backend)
+    print(json.dumps(doc, indent=2) if args.json else format_description(doc))
+    return 0
+
+
+# -- verify ---------------------------------------------------------------------------------
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from ._api import verify
+
+    try:
+        report = asyncio.run(verify(args.path, backend=args.backend))
+    except CheckpointNotFoundError as exc:
+        print(f"not found: {exc}")
+        return 1
+    except CheckpointCorruptError as exc:
+        print(f"corrupt: {exc}")
+        return 1
+    # _locate calls a single safetensors file "file"; VerifyReport documents "safetensors".
+    kind = "safetensors" if report.kind == "file" else report.kind
+    line = f"ok: {kind}, {_plural(len(report.files), 'file')}, {report.bytes_checked} bytes checked"
+    if kind != "aiopersist":
+        line += " (headers only: this format has no checksums)"
+    print(line)
+    return 0
+
+
+# -- convert --------------------------------------------------------------------------------
+
+
+def _leaves(obj: object, parts: list[str]) -> Iterator[tuple[list[str], object]]:
+    """Every leaf of a loaded state (not a dict, list or tuple), with its path."""
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _leaves(v, [*parts, str(k)])
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, [*parts, str(i)])
+    else:
+        yield parts, obj
+
+
+def _named_tensors(state: object) -> tuple[dict[str, torch.Tensor], int, int]:
+    """The tensors in ``state`` under dotted names (as the manifest names them), numpy
+    arrays as tensors, storage shared between them broken by copies (safetensors refuses
+    shared or non-contiguous tensors). Also the number of numpy arrays converted and of
+    other leaves (scalars, strings, ...) left out."""
+    import numpy as np
+    import torch
+
+    found: list[tuple[str, torch.Tensor]] = []
+    taken: set[str] = set()
+    arrays = others = 0
+    for parts, leaf in _leaves(state, []):
+        base = ".".join(parts) or "tensor"
+        name, n = base, 1
+        while name in taken:
+            n += 1
+            name = f"{base}#{n}"
+        taken.add(name)
+        if isinstance(leaf, torch.Tensor):
+            found.append((name, leaf.detach()))
+        elif isinstance(leaf, np.ndarray):
+            try:
+                found.append((name, torch.from_numpy(np.ascontiguousarray(leaf))))
+            except TypeError as exc:
+                raise ValueError(
+                    f"{name}: numpy dtype {leaf.dtype} has no tensor equivalent ({exc})"
+                ) from exc
+            arrays += 1
+        else:
+            taken.discard(name)
+            others += 1
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[str, int]] = set()
+    for name, t in found:
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        if key in seen or not t.is_contiguous():
+            t = t.contiguous().clone()
+        else:
+            seen.add(key)
+        out[name] = t
+    return out, arrays, others
+
+
+def _fsync_path(path: str, *, directory: bool = False) -> None:
+    fd = os.open(path, (os.O_RDONLY | os.O_DIRECTORY) if directory else os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(out: str, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` to a temporary file beside ``out``, fsync it, rename it to ``out``
+    and fsync the directory: ``out`` is either the old file or the complete new one."""
+    directory = os.path.dirname(out)
+    tmp = os.path.join(directory, f".{os.path.basename(out)}.aiopersist-tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        _fsync_path(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_path(directory, directory=True)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from ._api import load
+
+    out = os.path.abspath(args.out)
+    if os.path.lexists(out) and not args.force:
+        print(f"aiopersist: error: {out} exists; pass --force to replace it", file=sys.stderr)
+        return 1
+    if not os.path.isdir(os.path.dirname(out)):
+        print(f"aiopersist: error: {os.path.dirname(out)}: no such directory", file=sys.stderr)
+        return 1
+    try:
+        state = asyncio.run(load(args.path, backend=args.backend))
+    except UnsupportedStateError as exc:  # pickled objects, which the command line never unpickles
+        print(f"aiopersist: error: {args.path}: cannot convert: {exc}", file=sys.stderr)
+        return 1
+    if args.to == "safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError as exc:
+            raise RuntimeError(f"--to safetensors needs the safetensors package ({exc})") from exc
+        tensors, arrays, others = _named_tensors(state)
+        if not tensors:
+            print(f"aiopersist: error: {args.path} holds no tensors: nothing to convert", file=sys.stderr)
+            return 1
+        _publish(out, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        print(f"wrote {out}: safetensors, {_plural(len(tensors), 'tensor')}, {os.path.getsize(out)} bytes")
+        if arrays:
+            print(f"note: numpy arrays stored as tensors: {arrays}")
+        if others:
+            print(f"note: values left out (not tensors: numbers, strings, ...): {others}")
+    else:
+        import torch
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+
+        _publish(out, write)
+        print(f"wrote {out}: torch.save, {os.path.getsize(out)} bytes")
+        import numpy as np
+
+        arrays = sum(1 for _, leaf in _leaves(state, []) if isinstance(leaf, np.ndarray))
+        if arrays:
+            print(
+                f"note: numpy arrays kept as numpy arrays: {arrays}; torch.load(weights_only=True) "
+                "refuses them unless allowlisted (torch.serialization.safe_globals)"
+            )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aiopersist", description="Fast, asynchronous, crash-safe checkpoints."
@@ -179,6 +615,36 @@ def build_parser() -> argparse.ArgumentParser:
     raw.add_argument("--chunk-mib", type=int, help="request size in MiB (default: the staging buffer size)")
     raw.add_argument("--buffers", type=int, help="staging buffers, i.e. requests in flight")
     raw.set_defaults(func=_bench_raw)
+
+    backends = ("auto", "io_uring", "threads")
+    inspect = sub.add_parser(
+        "inspect", help="list a checkpoint's files and tensors (reads the manifest or headers only)"
+    )
+    inspect.add_argument(
+        "path", help="checkpoint directory, Hugging Face model directory or .safetensors file"
+    )
+    inspect.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+    inspect.add_argument("--backend", choices=backends, default="auto", help="I/O backend (default: auto)")
+    inspect.set_defaults(func=_inspect)
+
+    verify = sub.add_parser("verify", help="check every file's size and checksum; exit 1 if corrupt")
+    verify.add_argument(
+        "path", help="checkpoint directory, Hugging Face model directory or .safetensors file"
+    )
+    verify.add_argument("--backend", choices=backends, default="auto", help="I/O backend (default: auto)")
+    verify.set_defaults(func=_verify)
+
+    convert = sub.add_parser(
+        "convert", help="write a checkpoint as one safetensors file or a torch.save file"
+    )
+    convert.add_argument(
+        "path", help="checkpoint directory, Hugging Face model directory or .safetensors file"
+    )
+    convert.add_argument("--to", choices=("safetensors", "torch"), required=True, help="output format")
+    convert.add_argument("out", help="the file to write")
+    convert.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    convert.add_argument("--backend", choices=backends, default="auto", help="I/O backend (default: auto)")
+    convert.set_defaults(func=_convert)
     return parser
 
 

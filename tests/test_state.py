@@ -127,7 +127,8 @@ async def test_strict_load_into_reports_every_mismatch_and_changes_nothing(tmp_p
     err = info.value
     assert "state['model']['0.weight']" in err.missing
     assert "state['model']['weight']" in err.unexpected
-    assert "state['other']" in err.missing and "state['extra']" in err.unexpected
+    assert "state['other']" in err.missing
+    assert "state['extra']" in err.unexpected
     assert "nothing was loaded" in str(err)
     assert all(torch.equal(a, b) for a, b in zip(before, target.parameters(), strict=True))
     shape = torch.nn.Linear(4, 5)
@@ -152,7 +153,9 @@ async def test_views_of_one_storage_stay_views(backend_name: str, tmp_path: Path
         assert _equal(state[k], back[k]), k
     assert back["same"] is back["base"]
     back["base"][1, 3] = -1.0
-    assert back["row"][3] == -1.0 and back["col"][1] == -1.0 and back["t"][3, 1] == -1.0
+    assert back["row"][3] == -1.0
+    assert back["col"][1] == -1.0
+    assert back["t"][3, 1] == -1.0
 
 
 async def test_flat_weights_with_views_are_stored_under_their_own_names(tmp_path: Path) -> None:
@@ -164,7 +167,8 @@ async def test_flat_weights_with_views_are_stored_under_their_own_names(tmp_path
     on_disk = load_file(str(tmp_path / "c" / "model.safetensors"))
     assert sorted(on_disk) == ["w", "w_t"]  # "tied" is an alias in the manifest
     back = await aiopersist.load(tmp_path / "c")
-    assert _equal(weights["w_t"], back["w_t"]) and back["tied"] is back["w"]
+    assert _equal(weights["w_t"], back["w_t"])
+    assert back["tied"] is back["w"]
 
 
 async def test_pickle_only_when_both_sides_opt_in(tmp_path: Path) -> None:
@@ -176,7 +180,8 @@ async def test_pickle_only_when_both_sides_opt_in(tmp_path: Path) -> None:
     with pytest.raises(aiopersist.UnsupportedStateError, match=r"allow_pickle=True to load"):
         await aiopersist.load(tmp_path / "c")
     back = await aiopersist.load(tmp_path / "c", allow_pickle=True)
-    assert back["obj"] == {1, 2, 3} and torch.equal(back["w"], torch.ones(2))
+    assert back["obj"] == {1, 2, 3}
+    assert torch.equal(back["w"], torch.ones(2))
 
 
 async def test_sharded_model_uses_the_hf_index(backend_name: str, tmp_path: Path) -> None:
@@ -240,7 +245,8 @@ async def test_map_location_meta(tmp_path: Path) -> None:
     state = {"x": torch.arange(4.0), "y": {"z": torch.ones(2)}}
     await aiopersist.save(state, tmp_path / "c")
     back = await aiopersist.load(tmp_path / "c", map_location="meta")
-    assert back["x"].device.type == "meta" and back["y"]["z"].shape == (2,)
+    assert back["x"].device.type == "meta"
+    assert back["y"]["z"].shape == (2,)
 
 
 # -- property-based round trips ---------------------------------------------------------------
