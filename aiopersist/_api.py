@@ -95,7 +95,7 @@ def plan_files(flat: Flattened, max_shard_bytes: int) -> list[PlannedFile]:
     at a multiple of its element size and loads can place it for direct reads. A model's
     weights use Hugging Face's names (``model.safetensors`` or ``model-0000i-of-0000n``).
     """
-    ordered = sorted(flat.stored, key=lambda s: -s.source.element_size())
+    ordered = sorted(flat.stored, key=lambda s: -s.alignment)
     shards: list[list[StoredTensor]] = [[]]
     size = 0
     for st in ordered:
@@ -156,6 +156,8 @@ async def save(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise TypeError("metadata must map str to str")
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     flat = flatten(obj, allow_pickle=allow_pickle)
     planned = plan_files(flat, max_shard_bytes or _knobs.shard_bytes())
     pickled = pickle.dumps(flat.pickled, protocol=pickle.HIGHEST_PROTOCOL) if flat.pickled else None
@@ -226,7 +228,7 @@ async def save(
 
 @dataclass(frozen=True)
 class _Located:
-    kind: str  # "manifest", "hf-dir", "file"
+    kind: str  # "manifest", "hf-dir", "safetensors"
     directory: str
     files: tuple[str, ...]  # absolute paths of data files (for hf-dir and file)
     manifest: Manifest | None
@@ -264,6 +266,8 @@ def _read_small(path: str, limit: int) -> bytes:
 
 def _locate(path: str | os.PathLike[str]) -> _Located:
     target = os.path.abspath(os.fspath(path))
+    if os.path.basename(target) == MANIFEST_NAME and os.path.isfile(target):
+        target = os.path.dirname(target)  # the manifest stands for its checkpoint
     if os.path.isdir(target):
         mpath = os.path.join(target, MANIFEST_NAME)
         if os.path.isfile(mpath):
@@ -294,7 +298,12 @@ def _locate(path: str | os.PathLike[str]) -> _Located:
     if not os.path.exists(target):
         raise CheckpointNotFoundError(f"{target}: no such checkpoint")
     return _Located(
-        "file", os.path.dirname(target), (target,), None, probe_file_for_read(target), {target: _size(target)}
+        "safetensors",
+        os.path.dirname(target),
+        (target,),
+        None,
+        probe_file_for_read(target),
+        {target: _size(target)},
     )
 
 
@@ -511,6 +520,7 @@ class VerifyReport:
     """``aiopersist`` (manifest and checksums), ``hf-dir`` or ``safetensors`` (headers only)."""
     files: tuple[str, ...]
     bytes_checked: int
+    """Bytes read and checked: whole files for ``aiopersist``, headers otherwise."""
 
 
 async def _hash_file(be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingPool, size: int) -> str:
@@ -570,9 +580,11 @@ async def verify(path: str | os.PathLike[str], *, backend: str = "auto") -> Veri
     try:
         async with open_backend(backend) as be:
             if loc.manifest is None:
+                checked = 0
                 for f in loc.files:
-                    await _read_header(be, f, loc.sizes[f])
-                return VerifyReport(loc.directory, loc.kind, loc.files, sum(loc.sizes.values()))
+                    checked += (await _read_header(be, f, loc.sizes[f])).data_offset
+                where = loc.files[0] if loc.kind == "safetensors" else loc.directory
+                return VerifyReport(where, loc.kind, loc.files, checked)
             names = []
             for name, rec in loc.manifest.files.items():
                 full = os.path.join(loc.directory, name)

@@ -445,8 +445,7 @@ def _verify(args: argparse.Namespace) -> int:
     except CheckpointCorruptError as exc:
         print(f"corrupt: {exc}")
         return 1
-    # _locate calls a single safetensors file "file"; VerifyReport documents "safetensors".
-    kind = "safetensors" if report.kind == "file" else report.kind
+    kind = report.kind
     line = f"ok: {kind}, {_plural(len(report.files), 'file')}, {report.bytes_checked} bytes checked"
     if kind != "aiopersist":
         line += " (headers only: this format has no checksums)"

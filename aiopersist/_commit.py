@@ -78,23 +78,54 @@ def renameat2(src: str, dst: str, flags: int) -> bool:
     raise io_error(err, "renameat2", src)
 
 
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _exchange(tmp: str, final: str) -> bool:
+    """Swap the new checkpoint in; afterwards ``tmp`` holds the old one, then goes."""
+    if not renameat2(tmp, final, RENAME_EXCHANGE):
+        return False
+    try:
+        fsync_directory(os.path.dirname(final))
+    except BaseException:
+        # Not durable: swap back, so that the failed save leaves the old checkpoint in
+        # place (the caller's cleanup then removes the new one from tmp).
+        renameat2(tmp, final, RENAME_EXCHANGE)
+        raise
+    _remove(tmp)
+    return True
+
+
 def _publish(tmp: str, final: str, overwrite: bool) -> None:
     parent = os.path.dirname(final)
     fsync_directory(tmp)
-    if os.path.lexists(final) and overwrite:
+    if overwrite and os.path.lexists(final):
         # One atomic swap: the new checkpoint takes the final name and the old one the
         # temporary name, in a single step. A crash leaves one or the other complete
         # under the final name, never neither.
-        if renameat2(tmp, final, RENAME_EXCHANGE):
-            fsync_directory(parent)
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
-        _publish_by_two_renames(tmp, final)
+        if not _exchange(tmp, final):
+            _publish_by_two_renames(tmp, final)
         return
     # No clobbering of a checkpoint that appeared since the check in atomic_directory.
-    if not renameat2(tmp, final, RENAME_NOREPLACE):
-        if os.path.lexists(final) and not overwrite:
-            raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
+    try:
+        placed = renameat2(tmp, final, RENAME_NOREPLACE)
+    except CheckpointExistsError:
+        if not overwrite:
+            raise
+        placed = _exchange(tmp, final)  # it appeared meanwhile, and we may replace it
+        if placed:
+            return
+    if not placed:
+        if os.path.lexists(final):
+            if not overwrite:
+                raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
+            _publish_by_two_renames(tmp, final)
+            return
         try:
             os.rename(tmp, final)
         except OSError as exc:
@@ -117,7 +148,7 @@ def _publish_by_two_renames(tmp: str, final: str) -> None:
         os.rename(old, final)
         raise from_os_error(exc, "rename", tmp) from exc
     fsync_directory(parent)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ JSON markers (a dict with exactly one of these keys):
 | --- | --- |
 | ``{"__tensor__": name}`` | a tensor (stored, alias or view) |
 | ``{"__ndarray__": name}`` | a numpy array, stored as a tensor |
+| ``{"__npscalar__": name}`` | a numpy scalar, stored as a 0-d tensor |
 | ``{"__tuple__": [...]}`` | a tuple (``torch.Size`` too) |
 | ``{"__dict__": [[k, v], ...]}`` | a dict whose keys are not all plain strings |
 | ``{"__float__": "nan"}`` | a non-finite float (``nan``, ``inf``, ``-inf``) |
@@ -41,6 +42,7 @@ from ._format import dtype_from_name, supported_dtype
 MARKERS = (
     "__tensor__",
     "__ndarray__",
+    "__npscalar__",
     "__tuple__",
     "__dict__",
     "__float__",
@@ -58,6 +60,13 @@ class StoredTensor:
     name: str
     source: torch.Tensor
     """The tensor (or the byte span of a shared storage) whose bytes are written."""
+    align: int = 0
+    """Byte alignment its file offset needs: the element size, or for a span the largest
+    element size of the views into it (so that they land aligned in memory on load)."""
+
+    @property
+    def alignment(self) -> int:
+        return self.align or self.source.element_size()
 
     @property
     def nbytes(self) -> int:
@@ -118,7 +127,7 @@ class _Walker:
     def name_for(self, parts: list[str]) -> str:
         base = ".".join(parts) or "tensor"
         name, n = base, 1
-        while name in self.names:
+        while name in self.names or name == "__metadata__":  # safetensors' reserved key
             n += 1
             name = f"{base}#{n}"
         self.names.add(name)
@@ -150,6 +159,9 @@ class _Walker:
             return int(obj)  # an int subclass (IntEnum): its value
         if isinstance(obj, bytes | bytearray):
             return {"__bytes__": base64.b64encode(bytes(obj)).decode("ascii")}
+        if isinstance(obj, np.generic) and obj.dtype.kind in "biufc":
+            # A numpy scalar (a metric, a step): kept as a 0-d array, so its dtype survives.
+            return {"__npscalar__": self.tensor(torch.from_numpy(np.asarray(obj)), parts, where)}
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
                 return self.fallback(obj, where, "object arrays cannot be stored as tensors")
@@ -254,7 +266,7 @@ def _dedupe(walker: _Walker, flat: Flattened, *, materialize_views: bool) -> Non
         storage = members[0][1].untyped_storage()
         span = torch.empty(0, dtype=torch.uint8).set_(storage, span_start, (span_end - span_start,), (1,))
         base = walker.name_for([f"__storage__{len(flat.stored)}"])
-        flat.stored.append(StoredTensor(base, span))
+        flat.stored.append(StoredTensor(base, span, max(t.element_size() for _, t in members)))
         firsts = {}
         for (name, t), (start, _) in zip(members, extents, strict=True):
             first_name = firsts.setdefault(_view_key(t), name)
@@ -319,7 +331,9 @@ def _decode_marker(
         if marker == "__tensor__":
             return tensor(value)
         if marker == "__ndarray__":
-            return tensor(value).numpy()
+            return tensor(value).cpu().numpy()
+        if marker == "__npscalar__":
+            return tensor(value).cpu().numpy()[()]
         if marker == "__tuple__":
             return tuple(decode(v, tensor, pickled) for v in value)
         if marker == "__dict__":

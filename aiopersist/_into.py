@@ -1,9 +1,11 @@
 """``load(..., into=target)``: put a loaded state into live objects, in place.
 
 Two passes over the target and the loaded state side by side: the first only checks
-(keys, shapes, dtypes) and collects every mismatch, so that with ``strict`` nothing is
-touched unless everything fits; the second copies tensors in place and hands state dicts
-to ``load_state_dict``.
+(keys, shapes, dtypes, optimizer parameter groups) and collects every mismatch, so that
+nothing is touched unless everything fits (missing and unexpected keys count only with
+``strict``); the second copies tensors in place and hands state dicts to
+``load_state_dict``. An object's own ``load_state_dict`` may still refuse in the second
+pass (its checks are its own); that error comes as `StateMismatchError`, chained.
 """
 
 from __future__ import annotations
@@ -32,19 +34,35 @@ class _Check:
         elif _is_stateful(target):
             if not isinstance(saved, Mapping):
                 self.wrong.append(f"{where}: saved a {type(saved).__name__}, not a state dict")
+            elif isinstance(target, torch.optim.Optimizer):
+                self.optimizer(target, saved, where)
         elif isinstance(target, torch.Tensor):
             if not isinstance(saved, torch.Tensor):
                 self.wrong.append(f"{where}: saved a {type(saved).__name__}, not a tensor")
             elif saved.shape != target.shape:
                 self.wrong.append(f"{where}: shape {tuple(saved.shape)} saved, {tuple(target.shape)} here")
+            elif saved.dtype != target.dtype:
+                self.wrong.append(f"{where}: dtype {saved.dtype} saved, {target.dtype} here")
         elif isinstance(target, Mapping):
             self.mapping(target, saved, where)
-        elif isinstance(target, MutableSequence):
+        elif isinstance(target, MutableSequence | tuple):
             if not isinstance(saved, list | tuple) or len(saved) != len(target):
                 self.wrong.append(f"{where}: a list of {len(target)} here, saved {_describe(saved)}")
             else:
                 for i, (t, s) in enumerate(zip(target, saved, strict=True)):
                     self.walk(t, s, f"{where}[{i}]")
+
+    def optimizer(self, target: torch.optim.Optimizer, saved: Mapping[Any, Any], where: str) -> None:
+        # The checks load_state_dict makes, made before anything is loaded anywhere.
+        groups = saved.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(target.param_groups):
+            self.wrong.append(
+                f"{where}: {len(target.param_groups)} parameter groups here, saved {_describe(groups)}"
+            )
+            return
+        for i, (mine, theirs) in enumerate(zip(target.param_groups, groups, strict=True)):
+            if not isinstance(theirs, Mapping) or len(theirs.get("params", ())) != len(mine["params"]):
+                self.wrong.append(f"{where}['param_groups'][{i}]: the number of parameters differs")
 
     def mapping(self, target: Mapping[Any, Any], saved: object, where: str) -> None:
         if not isinstance(saved, Mapping):
@@ -73,7 +91,12 @@ def _apply(target: object, saved: Any, strict: bool) -> object:
         target.load_state_dict(saved, strict=strict)
         return target
     if _is_stateful(target):
-        target.load_state_dict(saved)  # type: ignore[attr-defined]
+        try:
+            target.load_state_dict(saved)  # type: ignore[attr-defined]
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise StateMismatchError(
+                f"{type(target).__name__}.load_state_dict refused the saved state: {exc}"
+            ) from exc
         return target
     if isinstance(target, torch.Tensor):
         if isinstance(saved, torch.Tensor) and saved.shape == target.shape:
@@ -88,6 +111,12 @@ def _apply(target: object, saved: Any, strict: bool) -> object:
     if isinstance(target, MutableSequence) and isinstance(saved, list | tuple) and len(saved) == len(target):
         for i in range(len(target)):
             target[i] = _apply(target[i], saved[i], strict)
+        return target
+    if isinstance(target, tuple) and isinstance(saved, list | tuple) and len(saved) == len(target):
+        # A tuple cannot change, but what it holds can be loaded in place; plain values in
+        # it stay as they are.
+        for t, s in zip(target, saved, strict=True):
+            _apply(t, s, strict)
         return target
     return saved  # a plain value: the saved one replaces it in its container
 

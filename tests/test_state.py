@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -301,3 +302,70 @@ async def test_property_round_trip(
     await aiopersist.save({"root": obj}, path, backend=backend_name)
     back = await aiopersist.load(path, backend=backend_name)
     assert _equal({"root": obj}, back)
+
+
+async def test_into_checks_dtypes_tuples_and_optimizer_groups_before_touching_anything(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    await aiopersist.save({"pair": (model, opt), "t": torch.zeros(2, dtype=torch.int64)}, tmp_path / "c")
+
+    fresh = torch.nn.Linear(3, 3)
+    before = fresh.weight.detach().clone()
+    one_group = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(aiopersist.StateMismatchError, match=r"1 parameter groups here, saved a list of 2"):
+        await aiopersist.load(
+            tmp_path / "c", into={"pair": (fresh, one_group), "t": torch.zeros(2, dtype=torch.int64)}
+        )
+    assert torch.equal(fresh.weight, before)  # the model next to it was not loaded either
+    with pytest.raises(aiopersist.StateMismatchError, match=r"dtype torch\.int64 saved, torch\.float32 here"):
+        await aiopersist.load(tmp_path / "c", into={"pair": (fresh, opt), "t": torch.zeros(2)})
+
+    two_groups = torch.optim.SGD([{"params": [fresh.weight]}, {"params": [fresh.bias]}], lr=0.1, momentum=0.9)
+    target = {"pair": (fresh, two_groups), "t": torch.ones(2, dtype=torch.int64)}
+    await aiopersist.load(tmp_path / "c", into=target)  # a tuple of live objects, loaded in place
+    assert torch.equal(fresh.weight, model.weight)
+    assert torch.equal(
+        two_groups.state_dict()["state"][0]["momentum_buffer"],
+        opt.state_dict()["state"][0]["momentum_buffer"],
+    )
+    assert torch.equal(target["t"], torch.zeros(2, dtype=torch.int64))
+
+
+async def test_numpy_scalars_keep_their_dtype(tmp_path: Path) -> None:
+    state = {"loss": np.float32(0.25), "step": np.int64(7), "ok": np.bool_(True), "name": "x"}
+    await aiopersist.save(state, tmp_path / "c")
+    back = await aiopersist.load(tmp_path / "c")
+    assert type(back["loss"]) is np.float32
+    assert back["loss"] == np.float32(0.25)
+    assert type(back["step"]) is np.int64
+    assert back["step"] == 7
+    assert type(back["ok"]) is np.bool_
+    assert bool(back["ok"])
+
+
+async def test_large_views_land_aligned_for_their_dtype(tmp_path: Path) -> None:
+    base = torch.randn(2048, 1024)  # 8 MiB: read straight into its memory
+    odd = torch.zeros(3, dtype=torch.uint8)
+    await aiopersist.save({"v": {"a": base, "b": base[1:], "odd": odd}}, tmp_path / "c")
+    back = (await aiopersist.load(tmp_path / "c"))["v"]
+    for t in (back["a"], back["b"]):
+        assert t.data_ptr() % t.element_size() == 0
+    assert torch.equal(back["b"], base[1:])
+
+
+async def test_awkward_names_and_paths(tmp_path: Path) -> None:
+    state = {"__metadata__": torch.ones(2), "x": 1}  # safetensors reserves that key in a file
+    await aiopersist.save(state, tmp_path / "c")
+    back = await aiopersist.load(tmp_path / "c" / "aiopersist.json")  # the manifest stands for it
+    assert torch.equal(back["__metadata__"], torch.ones(2))
+    (tmp_path / "f").write_text("not a checkpoint")
+    await aiopersist.save({"w": torch.ones(1)}, tmp_path / "f", overwrite=True)  # replaces a file
+    assert (tmp_path / "f" / "aiopersist.json").exists()
+    assert sorted(os.listdir(tmp_path)) == ["c", "f"]
+    with pytest.raises(ValueError, match="max_shard_bytes must be positive"):
+        await aiopersist.save({"w": torch.ones(1)}, tmp_path / "g", max_shard_bytes=0)
