@@ -27,6 +27,8 @@ check: setup
 
 bench: setup
 	$(VENV)/bin/aiopersist bench raw --dir bench-data
+	$(VENV)/bin/aiopersist bench save --dir bench-data --plot bench-data/save.png
+	$(VENV)/bin/aiopersist bench load --dir bench-data --plot bench-data/load.png
 
 clean:
 	rm -rf build site bench-data .demo-data *.egg-info aiopersist/_native/_liburing*.so

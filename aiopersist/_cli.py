@@ -146,6 +146,30 @@ def _drop_caches() -> None:
         pass
 
 
+def _bench_ckpt(args: argparse.Namespace) -> int:
+    from ._bench_ckpt import ckpt_report_json, format_ckpt, plot_ckpt, run_ckpt
+
+    directory = os.path.abspath(args.dir)
+    os.makedirs(directory, exist_ok=True)
+    methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
+    report = run_ckpt(
+        directory,
+        kind=args.bench,
+        size_bytes=int(args.size_gib * (1 << 30)),
+        rounds=args.rounds,
+        methods=methods,
+        out=sys.stderr if args.json else sys.stdout,
+    )
+    if args.json:
+        print(json.dumps(ckpt_report_json(report), indent=2))
+    else:
+        print(format_ckpt(report))
+    if args.plot:
+        plot_ckpt(report, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 def _bench_raw(args: argparse.Namespace) -> int:
     from ._bench import format_raw, run_raw
 
@@ -614,6 +638,20 @@ def build_parser() -> argparse.ArgumentParser:
     raw.add_argument("--chunk-mib", type=int, help="request size in MiB (default: the staging buffer size)")
     raw.add_argument("--buffers", type=int, help="staging buffers, i.e. requests in flight")
     raw.set_defaults(func=_bench_raw)
+    for kind, peers in (
+        ("save", "fio write, torch.save+fsync, safetensors, dcp"),
+        ("load", "fio read, torch.load, safetensors, dcp"),
+    ):
+        ck = bench_sub.add_parser(
+            kind, help=f"checkpoint {kind} of a transformer-shaped state against {peers}"
+        )
+        ck.add_argument("--dir", default="bench-data", help="scratch directory on the disk to measure")
+        ck.add_argument("--size-gib", type=float, default=2.0, help="state size (default: 2)")
+        ck.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+        ck.add_argument("--methods", help="comma-separated subset of the methods")
+        ck.add_argument("--json", action="store_true", help="print the report as JSON")
+        ck.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart")
+        ck.set_defaults(func=_bench_ckpt)
 
     backends = ("auto", "io_uring", "threads")
     inspect = sub.add_parser(

@@ -38,3 +38,21 @@ def test_demo_runs_and_verifies(tmp_path: Path) -> None:
     rows = [line.split()[0] for line in proc.stdout.splitlines() if line.endswith("  yes")]
     assert rows == ["torch.save", "threads"] + (["io_uring"] if URING_OK else [])
     assert not (tmp_path / "d").exists()  # cleaned up without --keep
+
+
+def test_bench_save_and_load_small(tmp_path: Path) -> None:
+    import json
+
+    for kind, peer in (("save", "torch.save"), ("load", "safetensors")):
+        plot = tmp_path / f"{kind}.png"
+        proc = _cli(
+            "bench", kind, "--dir", str(tmp_path / "d"), "--size-gib", "0.03", "--rounds", "1",
+            "--methods", f"{peer},aiopersist-threads", "--json", "--plot", str(plot),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        report = json.loads(proc.stdout)
+        assert report["kind"] == kind
+        names = [r["method"] for r in report["results"]]
+        assert sorted(names) == sorted([peer, "aiopersist-threads"])
+        assert plot.stat().st_size > 1000
+    assert not any((tmp_path / "d").iterdir())  # cleaned up
