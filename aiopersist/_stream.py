@@ -124,7 +124,18 @@ class FileWriter:
             raise failure
 
     async def write(self, data: torch.Tensor | Bytes) -> None:
-        """Append ``data`` (a CPU tensor's bytes, or a bytes-like object) to the file."""
+        """Append ``data`` (a CPU tensor's bytes, or a bytes-like object) to the file.
+
+        A non-contiguous tensor is made contiguous a block of rows at a time (about one
+        staging buffer each), never as a whole: memory stays bounded by the pool.
+        """
+        if isinstance(data, torch.Tensor) and not data.is_contiguous() and data.dim() > 1 and data.numel():
+            row_bytes = data[0].numel() * data.element_size()
+            rows = max(1, self._pool.buffer_bytes // max(1, row_bytes))
+            for start in range(0, data.shape[0], rows):
+                block = data[start : start + rows]
+                await self.write(block.contiguous())
+            return
         if isinstance(data, torch.Tensor):
             src: torch.Tensor | memoryview = as_bytes_tensor(data)
         else:

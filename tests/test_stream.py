@@ -175,3 +175,18 @@ async def test_aligned_destination_is_read_without_staging(
     pool.close()
     del dest
     mem.close()
+
+
+async def test_non_contiguous_tensor_is_written_in_bounded_blocks(
+    backend: aiopersist.IOBackend, tmp_path: Path
+) -> None:
+    dio = aiopersist.probe_directory(tmp_path)
+    pool = aiopersist.StagingPool(CHUNK, 2)
+    t = torch.randn(300, 200).t()  # non-contiguous
+    third = torch.randn(10, 10, 10).permute(2, 0, 1)
+    async with FileWriter(backend, tmp_path / "nc", dio, pool) as w:
+        await w.write(t)
+        await w.write(third)
+    expected = t.contiguous().numpy().tobytes() + third.contiguous().numpy().tobytes()
+    assert (tmp_path / "nc").read_bytes() == expected
+    pool.close()
