@@ -47,7 +47,7 @@ from ._manifest import (
     safe_file_name,
 )
 from ._staging import StagingPool
-from ._stream import FileWriter, read_segments
+from ._stream import FileWriter, read_segments, settle
 
 MODEL_FILE = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
@@ -309,13 +309,24 @@ def _locate(path: str | os.PathLike[str]) -> _Located:
 
 class _Prefaulter:
     """Faults destination memory in, in file order, in one background thread, so that the
-    page faults and zeroing of fresh memory overlap the reads instead of stalling them."""
+    page faults and zeroing of fresh memory overlap the reads instead of stalling them.
+
+    Mappings are collected while a file's tensors are allocated and handed to the thread
+    by `start`: faulting holds the process's memory-map lock, and every further ``mmap``
+    on the event loop's thread would wait for it.
+    """
 
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiopersist-prefault")
+        self._waiting: list[AlignedBuffer] = []
 
     def __call__(self, mem: AlignedBuffer) -> None:
-        self._pool.submit(mem.populate)
+        self._waiting.append(mem)
+
+    def start(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for mem in waiting:
+            self._pool.submit(mem.populate)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -330,12 +341,30 @@ def _allocate(
     return torch.empty(shape, dtype=dtype)
 
 
-def _digest(parts: Sequence[torch.Tensor]) -> str:
-    hasher = new_hasher()
+_HASH_GROUP = 64 << 20
+_GROUPS_AHEAD = 4
+
+
+def _groups(
+    segments: Sequence[tuple[int, torch.Tensor]], group_bytes: int
+) -> list[list[tuple[int, torch.Tensor]]]:
+    """Consecutive segments bundled into groups of at least ``group_bytes`` (the last may
+    be smaller); a segment is never split."""
+    groups: list[list[tuple[int, torch.Tensor]]] = [[]]
+    size = 0
+    for seg in segments:
+        if size >= group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(seg)
+        size += seg[1].numel()
+    return groups
+
+
+def _update(hasher: Any, parts: Sequence[torch.Tensor]) -> None:
     for part in parts:
         if part.numel():
-            hasher.update(cast(Any, part.reshape(-1).view(torch.uint8).numpy()))
-    return str(hasher.hexdigest())
+            hasher.update(cast(Any, part.numpy()))
 
 
 async def _read_manifest_file(
@@ -365,8 +394,28 @@ async def _read_manifest_file(
         pos = t.end
     if pos != rec.nbytes:
         raise CheckpointCorruptError(f"{path}: {rec.nbytes - pos} bytes after the last tensor")
-    await read_segments(be, path, loc.dio, pool, segments)
-    actual = await asyncio.to_thread(_digest, [head, *(out[t.name] for t in ordered)])
+    prefault.start()
+    # Read in groups of about _HASH_GROUP bytes, a few groups in flight, and checksum each
+    # group in file order (in a thread) as soon as it is in: the checksum overlaps the reads.
+    hasher = new_hasher()
+    groups = _groups(segments, _HASH_GROUP)
+    ahead = asyncio.Semaphore(_GROUPS_AHEAD)
+
+    async def read_group(group: list[tuple[int, torch.Tensor]]) -> None:
+        async with ahead:
+            await read_segments(be, path, loc.dio, pool, group)
+
+    tasks = [asyncio.ensure_future(read_group(g)) for g in groups]
+    try:
+        for group, task in zip(groups, tasks, strict=True):
+            await task
+            await asyncio.to_thread(_update, hasher, [d for _, d in group])
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await settle(tasks)  # requests in flight write into the tensors until they end
+        raise
+    actual = str(hasher.hexdigest())
     if actual != rec.checksum:
         raise CheckpointCorruptError(f"{path}: checksum mismatch (stored {rec.checksum}, computed {actual})")
     if rec.data_offset is None:  # the pickle file
@@ -400,6 +449,7 @@ async def _read_safetensors(
         t = _allocate(e.shape, e.dtype, offset, loc.dio.direct and e.nbytes >= pool.buffer_bytes, prefault)
         out[e.name] = t
         segments.append((offset, t.reshape(-1).view(torch.uint8)))
+    prefault.start()
     await read_segments(be, path, loc.dio, pool, segments)
     return out
 

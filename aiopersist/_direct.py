@@ -20,6 +20,7 @@ import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -190,6 +191,19 @@ HUGE_PAGE_SIZE = 2 << 20
 _MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int, int, int], int], fn)
+
+
+_libc_madvise = _load_madvise()
+
+
 def _address(m: mmap.mmap) -> int:
     probe = ctypes.c_char.from_buffer(m)
     try:
@@ -237,10 +251,15 @@ class AlignedBuffer:
 
         Fresh memory costs a page fault and a zeroing per page on first touch; for a
         direct read that happens inside the submission, on the event loop's thread. Done
-        ahead, in another thread, it overlaps the disk instead.
+        ahead, in another thread, it overlaps the disk instead. Through ``ctypes``, which
+        lets go of the GIL (``mmap.madvise`` holds it, and would stall the event loop).
         """
-        with contextlib.suppress(OSError, ValueError):
-            self._map.madvise(_MADV_POPULATE_WRITE, self._offset - self._offset % PAGE_SIZE, self.size)
+        if _libc_madvise is not None:
+            _libc_madvise(
+                self.address - self.address % PAGE_SIZE,
+                self.size + self.address % PAGE_SIZE,
+                _MADV_POPULATE_WRITE,
+            )
 
     def close(self) -> None:
         """Unmap. Raises ``BufferError`` while anything (a request in flight) still uses it."""
