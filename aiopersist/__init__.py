@@ -17,6 +17,11 @@ from ._backends import UringProbe as UringProbe
 from ._backends import create_backend as create_backend
 from ._backends import open_backend as open_backend
 from ._backends import probe_io_uring as probe_io_uring
+from ._blocking import BlockingCheckpointer as BlockingCheckpointer
+from ._blocking import BlockingSaveHandle as BlockingSaveHandle
+from ._checkpointer import Checkpointer as Checkpointer
+from ._checkpointer import SaveHandle as SaveHandle
+from ._checkpointer import SnapshotBudgetError as SnapshotBudgetError
 from ._direct import DirectIOInfo as DirectIOInfo
 from ._direct import probe_directory as probe_directory
 from ._exceptions import AiopersistError as AiopersistError
@@ -38,16 +43,21 @@ __version__ = "0.1.0"
 __all__ = [
     "AiopersistError",
     "BackendUnavailableError",
+    "BlockingCheckpointer",
+    "BlockingSaveHandle",
     "CheckpointCorruptError",
     "CheckpointExistsError",
     "CheckpointIOError",
     "CheckpointNotFoundError",
+    "Checkpointer",
     "DirectIOInfo",
     "DiskFullError",
     "FileWriter",
     "IOBackend",
     "RNGState",
+    "SaveHandle",
     "SaveInfo",
+    "SnapshotBudgetError",
     "StagingPool",
     "StateMismatchError",
     "UnsupportedStateError",

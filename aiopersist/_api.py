@@ -16,7 +16,7 @@ import json
 import os
 import pickle
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -83,9 +83,19 @@ class SaveInfo:
 
 @dataclass(frozen=True)
 class PlannedFile:
+    """One data file: its name, the stored tensors in it (by name) and its header."""
+
     name: str
-    tensors: tuple[StoredTensor, ...]
+    tensors: tuple[str, ...]
     layout: FileLayout
+
+
+def plan_signature(flat: Flattened) -> tuple[object, ...]:
+    """What the plan depends on: a plan is reused while this stays the same."""
+    return (
+        flat.model_only,
+        tuple((s.name, s.source.dtype, tuple(s.source.shape), s.alignment) for s in flat.stored),
+    )
 
 
 def plan_files(flat: Flattened, max_shard_bytes: int) -> list[PlannedFile]:
@@ -110,7 +120,7 @@ def plan_files(flat: Flattened, max_shard_bytes: int) -> list[PlannedFile]:
     for i, members in enumerate(shards, 1):
         name = f"{stem}.safetensors" if n == 1 else f"{stem}-{i:05d}-of-{n:05d}.safetensors"
         layout = layout_file([(s.name, s.source.dtype, s.source.shape) for s in members], {"format": "pt"})
-        out.append(PlannedFile(name, tuple(members), layout))
+        out.append(PlannedFile(name, tuple(s.name for s in members), layout))
     return out
 
 
@@ -118,12 +128,19 @@ def plan_files(flat: Flattened, max_shard_bytes: int) -> list[PlannedFile]:
 
 
 async def _write_file(
-    be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingPool, parts: Sequence[bytes | torch.Tensor]
+    be: IOBackend,
+    path: str,
+    dio: DirectIOInfo,
+    pool: StagingPool,
+    parts: Sequence[bytes | torch.Tensor],
+    written: Callable[[], None] | None = None,
 ) -> FileRecord:
     hasher = new_hasher()
     async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
         for part in parts:
             await writer.write(part)
+        if written is not None:
+            written()  # every byte is in staging or on its way to the disk
     return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())
 
 
@@ -160,67 +177,98 @@ async def save(
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     flat = flatten(obj, allow_pickle=allow_pickle)
     planned = plan_files(flat, max_shard_bytes or _knobs.shard_bytes())
-    pickled = pickle.dumps(flat.pickled, protocol=pickle.HIGHEST_PROTOCOL) if flat.pickled else None
-    start = time.perf_counter()
     pool = StagingPool()
     try:
-        async with open_backend(backend) as be, atomic_directory(path, overwrite=overwrite) as pending:
-            dio = await asyncio.to_thread(probe_directory, pending.tmp)
-            jobs = [
-                _write_file(
-                    be,
-                    os.path.join(pending.tmp, pf.name),
-                    dio,
-                    pool,
-                    [pf.layout.header, *(s.source for s in pf.tensors)],
-                )
-                for pf in planned
-            ]
-            if pickled is not None:
-                jobs.append(_write_file(be, os.path.join(pending.tmp, PICKLE_FILE), dio, pool, [pickled]))
-            records = await asyncio.gather(*jobs)
-            files: dict[str, FileRecord] = {}
-            tensors: dict[str, TensorRecord] = {}
-            for pf, rec in zip(planned, records, strict=False):
-                files[pf.name] = FileRecord(pf.name, rec.nbytes, rec.checksum, pf.layout.data_offset)
-                for st, entry in zip(pf.tensors, pf.layout.entries, strict=True):
-                    tensors[st.name] = TensorRecord(
-                        st.name,
-                        pf.name,
-                        pf.layout.data_offset + entry.begin,
-                        pf.layout.data_offset + entry.end,
-                        entry.dtype,
-                        entry.shape,
-                    )
-            if pickled is not None:
-                files[PICKLE_FILE] = records[-1]
-            manifest = Manifest(
-                files=files,
-                tensors=tensors,
-                skeleton=flat.skeleton,
-                aliases=flat.aliases,
-                views=flat.views,
-                pickle_file=PICKLE_FILE if pickled is not None else None,
-                metadata=dict(metadata or {}),
-                layout="hf-model" if flat.model_only else "state",
-                created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        async with open_backend(backend) as be:
+            return await write_checkpoint(
+                be, pool, flat, planned, path, metadata=metadata, overwrite=overwrite
             )
-            extra = [(MANIFEST_NAME, dump_manifest(manifest))]
-            if flat.model_only and len(planned) > 1:
-                weight_map = {t.name: t.file for t in tensors.values()}
-                index = {"metadata": {"total_size": flat.tensor_bytes}, "weight_map": weight_map}
-                extra.append((MODEL_INDEX, json.dumps(index, indent=2).encode()))
-            extra_records = await asyncio.gather(
-                *(_write_file(be, os.path.join(pending.tmp, n), dio, pool, [b]) for n, b in extra)
-            )
-            backend_name = be.name
     finally:
         pool.close()
+
+
+async def write_checkpoint(
+    be: IOBackend,
+    pool: StagingPool,
+    flat: Flattened,
+    planned: Sequence[PlannedFile],
+    path: str | os.PathLike[str],
+    *,
+    metadata: Mapping[str, str] | None,
+    overwrite: bool,
+    staged: Callable[[], None] | None = None,
+) -> SaveInfo:
+    """Write a flattened state as a checkpoint at ``path`` and publish it; the engine room of
+    `save` and of `Checkpointer.save`. ``staged()`` is called once every tensor byte has
+    left the caller's tensors (copied into staging buffers), before the fsyncs."""
+    start = time.perf_counter()
+    sources = {s.name: s.source for s in flat.stored}
+    pickled = pickle.dumps(flat.pickled, protocol=pickle.HIGHEST_PROTOCOL) if flat.pickled else None
+    remaining = len(planned) + (pickled is not None)
+
+    def one_written() -> None:
+        nonlocal remaining
+        remaining -= 1
+        if remaining == 0 and staged is not None:
+            staged()
+
+    if remaining == 0 and staged is not None:
+        staged()
+    async with atomic_directory(path, overwrite=overwrite) as pending:
+        dio = await asyncio.to_thread(probe_directory, pending.tmp)
+        jobs = [
+            _write_file(
+                be,
+                os.path.join(pending.tmp, pf.name),
+                dio,
+                pool,
+                [pf.layout.header, *(sources[n] for n in pf.tensors)],
+                one_written,
+            )
+            for pf in planned
+        ]
+        if pickled is not None:
+            jobs.append(
+                _write_file(be, os.path.join(pending.tmp, PICKLE_FILE), dio, pool, [pickled], one_written)
+            )
+        records = await asyncio.gather(*jobs)
+        files: dict[str, FileRecord] = {}
+        tensors: dict[str, TensorRecord] = {}
+        for pf, rec in zip(planned, records, strict=False):
+            files[pf.name] = FileRecord(pf.name, rec.nbytes, rec.checksum, pf.layout.data_offset)
+            for name, entry in zip(pf.tensors, pf.layout.entries, strict=True):
+                tensors[name] = TensorRecord(
+                    name,
+                    pf.name,
+                    pf.layout.data_offset + entry.begin,
+                    pf.layout.data_offset + entry.end,
+                    entry.dtype,
+                    entry.shape,
+                )
+        if pickled is not None:
+            files[PICKLE_FILE] = records[-1]
+        manifest = Manifest(
+            files=files,
+            tensors=tensors,
+            skeleton=flat.skeleton,
+            aliases=flat.aliases,
+            views=flat.views,
+            pickle_file=PICKLE_FILE if pickled is not None else None,
+            metadata=dict(metadata or {}),
+            layout="hf-model" if flat.model_only else "state",
+            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        )
+        extra = [(MANIFEST_NAME, dump_manifest(manifest))]
+        if flat.model_only and len(planned) > 1:
+            weight_map = {t.name: t.file for t in tensors.values()}
+            index = {"metadata": {"total_size": flat.tensor_bytes}, "weight_map": weight_map}
+            extra.append((MODEL_INDEX, json.dumps(index, indent=2).encode()))
+        extra_records = await asyncio.gather(
+            *(_write_file(be, os.path.join(pending.tmp, n), dio, pool, [b]) for n, b in extra)
+        )
     written = sum(r.nbytes for r in records) + sum(r.nbytes for r in extra_records)
     names = tuple(files) + tuple(n for n, _ in extra)
-    return SaveInfo(
-        pending.final, written, names, time.perf_counter() - start, backend_name, flat.tensor_bytes
-    )
+    return SaveInfo(pending.final, written, names, time.perf_counter() - start, be.name, flat.tensor_bytes)
 
 
 # -- load -----------------------------------------------------------------------------------

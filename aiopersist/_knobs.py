@@ -56,3 +56,8 @@ DEFAULT_ALIGNMENT = 4096
 def direct_io_enabled() -> bool:
     """``AIOPERSIST_DIRECT_IO=0`` forces buffered I/O plus fsync even where ``O_DIRECT`` works."""
     return os.environ.get("AIOPERSIST_DIRECT_IO", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def snapshot_bytes() -> int:
+    """Most host memory ``Checkpointer(mode="snapshot")`` may copy a state into."""
+    return _env_int("AIOPERSIST_SNAPSHOT_BYTES", 8 << 30)

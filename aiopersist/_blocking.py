@@ -1,0 +1,148 @@
+"""`BlockingCheckpointer`: the `Checkpointer` for synchronous training loops.
+
+The event loop runs in a background thread (an anyio blocking portal); the calls here
+hand work to it and wait. The training thread keeps the GIL almost all the time: the
+writer's Python work is per 4 MiB chunk, and its copies and checksums run in C with the
+GIL released.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from ._api import SaveInfo
+from ._checkpointer import Checkpointer, Mode, OnBusy, SaveHandle
+
+
+async def _await(fut: Any) -> Any:
+    return await fut
+
+
+class BlockingSaveHandle:
+    """A save in progress, seen from a synchronous thread."""
+
+    def __init__(self, portal: BlockingPortal, handle: SaveHandle) -> None:
+        self._portal = portal
+        self.handle = handle
+
+    @property
+    def path(self) -> str:
+        return self.handle.path
+
+    @property
+    def skipped(self) -> bool:
+        return self.handle.skipped
+
+    @property
+    def blocked_seconds(self) -> float:
+        """Time the event loop spent starting the save (see `SaveHandle`)."""
+        return self.handle.blocked_seconds
+
+    def wait_staged(self) -> None:
+        """Block until the saved tensors may be mutated again (the fence)."""
+        self._portal.call(_await, self.handle.staged)
+
+    def wait(self) -> SaveInfo | None:
+        """Block until the checkpoint is durable; its `SaveInfo` (``None`` if skipped)."""
+        result: SaveInfo | None = self._portal.call(_await, self.handle.done)
+        return result
+
+    def staged(self) -> bool:
+        """Whether the fence has passed (without waiting)."""
+        return self.handle.staged.done()
+
+    def done(self) -> bool:
+        """Whether the save is over, durable or failed (without waiting)."""
+        return self.handle.done.done()
+
+
+class BlockingCheckpointer:
+    """`Checkpointer` with blocking calls; the same arguments. Close it (or use ``with``)."""
+
+    def __init__(
+        self,
+        *,
+        backend: str = "auto",
+        staging_bytes: int | None = None,
+        queue_depth: int | None = None,
+        mode: Mode = "fence",
+        snapshot_bytes: int | None = None,
+        max_in_flight: int = 1,
+        on_busy: OnBusy = "wait",
+        max_shard_bytes: int | None = None,
+    ) -> None:
+        self._portal_cm = start_blocking_portal("asyncio")
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self.checkpointer = self._portal.call(
+                functools.partial(
+                    _make,
+                    backend=backend,
+                    staging_bytes=staging_bytes,
+                    queue_depth=queue_depth,
+                    mode=mode,
+                    snapshot_bytes=snapshot_bytes,
+                    max_in_flight=max_in_flight,
+                    on_busy=on_busy,
+                    max_shard_bytes=max_shard_bytes,
+                )
+            )
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+        self._closed = False
+
+    def save(
+        self,
+        state: object,
+        path: str | os.PathLike[str],
+        *,
+        metadata: Mapping[str, str] | None = None,
+        overwrite: bool = False,
+        allow_pickle: bool = False,
+    ) -> BlockingSaveHandle:
+        """Start a save; returns once it is planned and started (see `Checkpointer.save`)."""
+        handle = self._portal.call(
+            functools.partial(
+                self.checkpointer.save,
+                state,
+                path,
+                metadata=metadata,
+                overwrite=overwrite,
+                allow_pickle=allow_pickle,
+            )
+        )
+        return BlockingSaveHandle(self._portal, handle)
+
+    def fence(self) -> None:
+        """Block until every save in flight is staged."""
+        self._portal.call(self.checkpointer.fence)
+
+    def wait(self) -> None:
+        """Block until every save in flight is durable."""
+        self._portal.call(self.checkpointer.wait)
+
+    def close(self) -> None:
+        """Finish the saves in flight, release everything, stop the background loop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._portal.call(self.checkpointer.aclose)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> BlockingCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _make(**kwargs: Any) -> Checkpointer:
+    return Checkpointer(**kwargs)

@@ -1,0 +1,294 @@
+"""The long-lived `Checkpointer`: saves that overlap training.
+
+FastPersist's third idea: the checkpoint of step N is written while step N+1 runs its
+forward and backward; only the optimizer step of N+1 has to wait, on the *fence*
+(``handle.staged``), until every byte has left the live tensors.
+
+- ``mode="fence"`` (default): no copy of the state. The writer streams from the live
+  tensors through the bounded staging pool; ``staged`` resolves when the last byte is in
+  a staging buffer. Memory: the pool.
+- ``mode="snapshot"``: the tensors are first copied into reusable host memory (within
+  ``snapshot_bytes``); ``staged`` resolves right after that copy, and the write goes on
+  from the copy. Memory: the pool plus the snapshot.
+
+Saves in flight are bounded (``max_in_flight``, default 1) and never interleave: a new
+save waits for a free slot, or is skipped with a log line (``on_busy="skip"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from . import _knobs
+from ._api import PlannedFile, SaveInfo, plan_files, plan_signature, write_checkpoint
+from ._backends import IOBackend, create_backend
+from ._direct import AlignedBuffer, copy_bytes
+from ._exceptions import AiopersistError
+from ._flatten import Flattened, StoredTensor, flatten
+from ._staging import StagingPool
+
+log = logging.getLogger("aiopersist")
+
+Mode = Literal["fence", "snapshot"]
+OnBusy = Literal["wait", "skip"]
+
+
+class SnapshotBudgetError(AiopersistError, MemoryError):
+    """``mode="snapshot"``: the state's tensors do not fit in ``snapshot_bytes``."""
+
+
+@dataclass(eq=False)
+class SaveHandle:
+    """A save in progress. ``await handle.staged``: the tensors may be mutated again.
+    ``await handle.done``: durable and committed (its result is the `SaveInfo`).
+
+    A skipped save (``on_busy="skip"`` while another ran) has ``skipped`` set, and both
+    futures are already resolved (``done`` to ``None``). A failed save raises its error,
+    with its type and chain, from both (``staged`` too if it failed before staging).
+    """
+
+    path: str
+    staged: asyncio.Future[None]
+    done: asyncio.Future[SaveInfo | None]
+    skipped: bool = False
+    blocked_seconds: float = field(default=0.0)
+    """Time the caller spent inside `Checkpointer.save` before it returned."""
+
+    async def wait(self) -> SaveInfo | None:
+        """Wait until durable; the `SaveInfo` (``None`` for a skipped save)."""
+        return await self.done
+
+
+def _resolve(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        if isinstance(exc, asyncio.CancelledError):
+            fut.cancel()
+        else:
+            fut.set_exception(exc)
+
+
+class Checkpointer:
+    """Long-lived saver: keeps the ring, the staging pool, the snapshot memory and the
+    file plan between saves. Use from one event loop; `aclose` when done (or
+    ``async with``). Synchronous training loops use `BlockingCheckpointer`."""
+
+    def __init__(
+        self,
+        *,
+        backend: str = "auto",
+        staging_bytes: int | None = None,
+        queue_depth: int | None = None,
+        mode: Mode = "fence",
+        snapshot_bytes: int | None = None,
+        max_in_flight: int = 1,
+        on_busy: OnBusy = "wait",
+        max_shard_bytes: int | None = None,
+    ) -> None:
+        if mode not in ("fence", "snapshot"):
+            raise ValueError(f"mode must be 'fence' or 'snapshot', got {mode!r}")
+        if on_busy not in ("wait", "skip"):
+            raise ValueError(f"on_busy must be 'wait' or 'skip', got {on_busy!r}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        chunk = _knobs.chunk_bytes()
+        count = _knobs.staging_buffers() if staging_bytes is None else max(2, staging_bytes // chunk)
+        self.mode: Mode = mode
+        self.on_busy: OnBusy = on_busy
+        self.max_in_flight = max_in_flight
+        self.snapshot_bytes = snapshot_bytes if snapshot_bytes is not None else _knobs.snapshot_bytes()
+        self._backend_name = backend
+        self._queue_depth = queue_depth
+        self._max_shard = max_shard_bytes or _knobs.shard_bytes()
+        self.pool = StagingPool(chunk, count)
+        self._backend: IOBackend | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._handles: list[SaveHandle] = []
+        self._plan: tuple[tuple[object, ...], list[PlannedFile]] | None = None
+        self._snapshot: AlignedBuffer | None = None
+        self._closed = False
+
+    # -- the API ---------------------------------------------------------------------------
+
+    async def save(
+        self,
+        state: object,
+        path: str | os.PathLike[str],
+        *,
+        metadata: Mapping[str, str] | None = None,
+        overwrite: bool = False,
+        allow_pickle: bool = False,
+    ) -> SaveHandle:
+        """Start saving ``state`` to ``path``; returns once the save is planned and started.
+
+        Until ``handle.staged`` resolves, the caller must not mutate the saved tensors
+        (``mode="fence"``); in snapshot mode it resolves as soon as the copy is taken.
+        """
+        if self._closed:
+            raise RuntimeError("the Checkpointer is closed")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_in_flight)
+            self._backend = create_backend(self._backend_name, queue_depth=self._queue_depth)
+        target = os.fspath(path)  # made absolute by the publication, off the loop
+        if self._slots.locked() and self.on_busy == "skip":
+            log.info("aiopersist: a save is still running; skipping the save to %s", target)
+            handle = SaveHandle(target, loop.create_future(), loop.create_future(), skipped=True)
+            _resolve(handle.staged, None)
+            _resolve(handle.done, None)
+            return handle
+        await self._slots.acquire()
+        try:
+            flat = flatten(state, allow_pickle=allow_pickle)
+            signature = plan_signature(flat)
+            if self._plan is None or self._plan[0] != signature:
+                self._plan = (signature, plan_files(flat, self._max_shard))
+            planned = self._plan[1]
+            handle = SaveHandle(target, loop.create_future(), loop.create_future())
+            if self.mode == "snapshot":
+                flat = await self._take_snapshot(flat)
+                _resolve(handle.staged, None)
+        except BaseException:
+            self._slots.release()
+            raise
+        task = asyncio.ensure_future(self._run(handle, flat, planned, metadata, overwrite))
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._finished(t, handle))
+        self._handles = [h for h in self._handles if not h.done.done()] + [handle]
+        handle.blocked_seconds = loop.time() - start
+        return handle
+
+    async def fence(self) -> None:
+        """Wait until every save in flight is staged (the tensors may be mutated again)."""
+        for handle in list(self._handles):
+            await asyncio.wait([handle.staged])
+
+    async def wait(self) -> None:
+        """Wait until every save in flight is durable (errors stay on their handles)."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    async def aclose(self) -> None:
+        """Let the saves in flight finish (a cancelled caller leaves no corrupt final
+        directory either way), then release the ring, the pool and the snapshot."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.wait()
+        finally:
+            if self._backend is not None:
+                await self._backend.aclose()
+            self.pool.close()
+            if self._snapshot is not None:
+                self._snapshot.close()
+                self._snapshot = None
+
+    async def __aenter__(self) -> Checkpointer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- the work --------------------------------------------------------------------------
+
+    async def _run(
+        self,
+        handle: SaveHandle,
+        flat: Flattened,
+        planned: list[PlannedFile],
+        metadata: Mapping[str, str] | None,
+        overwrite: bool,
+    ) -> None:
+        assert self._backend is not None
+        assert self._slots is not None
+        try:
+            info = await write_checkpoint(
+                self._backend,
+                self.pool,
+                flat,
+                planned,
+                handle.path,
+                metadata=metadata,
+                overwrite=overwrite,
+                staged=lambda: _resolve(handle.staged, None),
+            )
+        except BaseException as exc:
+            _fail(handle.staged, exc)
+            _fail(handle.done, exc)
+            # The error is the caller's, on the handle; seen here so asyncio does not log it.
+            for fut in (handle.staged, handle.done):
+                if fut.done() and not fut.cancelled():
+                    fut.exception()
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            _resolve(handle.staged, None)
+            _resolve(handle.done, info)
+
+    def _finished(self, task: asyncio.Task[None], handle: SaveHandle) -> None:
+        # Runs however the task ended, also when it was cancelled before it ever started
+        # (then _run's own handlers never ran): the slot and the handle are settled here.
+        self._tasks.discard(task)
+        assert self._slots is not None
+        self._slots.release()
+        if task.cancelled():
+            _fail(handle.staged, asyncio.CancelledError())
+            _fail(handle.done, asyncio.CancelledError())
+
+    async def _take_snapshot(self, flat: Flattened) -> Flattened:
+        """Copy every stored tensor into the reusable snapshot memory (in a thread: the
+        copies do not hold the GIL) and return the state pointing at the copies."""
+        total = sum(-(-s.nbytes // 64) * 64 for s in flat.stored)
+        if total > self.snapshot_bytes:
+            raise SnapshotBudgetError(
+                f"snapshot mode: the state's tensors take {total} bytes, more than "
+                f"snapshot_bytes={self.snapshot_bytes}; raise the budget or use mode='fence'"
+            )
+        if self._snapshot is None or self._snapshot.size < total:
+            if self._snapshot is not None:
+                self._snapshot.close()
+            self._snapshot = AlignedBuffer(max(total, 1))
+        memory = self._snapshot
+        copies: list[StoredTensor] = []
+        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pos = 0
+        for s in flat.stored:
+            src = s.source
+            dst = (
+                torch.frombuffer(memory.view, dtype=torch.uint8, count=s.nbytes, offset=pos)
+                if s.nbytes
+                else None
+            )
+            pos += -(-s.nbytes // 64) * 64  # keep every copy 64-byte aligned
+            if dst is None:
+                copies.append(s)
+                continue
+            typed = dst.view(src.dtype).view(src.shape)
+            jobs.append((typed, src))
+            copies.append(StoredTensor(s.name, typed, s.align))
+        await asyncio.to_thread(_copy_all, jobs)
+        return Flattened(
+            flat.skeleton, copies, flat.aliases, flat.views, flat.pickled, model_only=flat.model_only
+        )
+
+
+def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in jobs:
+        if src.device.type == "cpu" and src.is_contiguous():
+            copy_bytes(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+        else:
+            dst.copy_(src)  # strided or on a GPU: torch does the gather or the transfer

@@ -1,0 +1,34 @@
+"""BlockingCheckpointer: the Checkpointer from plain threads (no event loop of their own)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import aiopersist
+from tests.test_checkpointer import _state
+
+
+def test_blocking_facade_from_a_plain_thread(tmp_path: Path) -> None:
+    results: list[object] = []
+
+    def training_loop() -> None:
+        state = _state(5)
+        with aiopersist.BlockingCheckpointer(mode="fence") as ck:
+            h = ck.save(state, tmp_path / "c")
+            h.wait_staged()
+            for t in state["weights"].values():  # type: ignore[union-attr]
+                t.zero_()
+            info = h.wait()
+            results.append(info)
+            assert h.done()
+            ck.fence()
+
+    thread = threading.Thread(target=training_loop)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert isinstance(results[0], aiopersist.SaveInfo)
+    back = aiopersist.load_sync(tmp_path / "c")
+    assert back["step"] == 5
+    assert float(back["weights"]["w0"].abs().sum()) > 0

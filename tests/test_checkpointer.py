@@ -1,0 +1,145 @@
+"""Checkpointer: saves that overlap training, on both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import aiopersist
+
+pytestmark = pytest.mark.asyncio
+
+
+def _state(seed: int = 0, n: int = 8) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    return {"weights": {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(n)}, "step": seed}
+
+
+@pytest.mark.parametrize("mode", ["fence", "snapshot"])
+async def test_mutation_after_staged_does_not_change_the_checkpoint(
+    backend_name: str, tmp_path: Path, mode: str
+) -> None:
+    state = _state()
+    expected = {k: v.clone() for k, v in state["weights"].items()}  # type: ignore[union-attr]
+    async with aiopersist.Checkpointer(backend=backend_name, mode=mode) as ck:  # type: ignore[arg-type]
+        handle = await ck.save(state, tmp_path / "c")
+        await handle.staged
+        for t in state["weights"].values():  # type: ignore[union-attr]
+            t.fill_(-1.0)  # what the optimizer step would do
+        info = await handle.done
+    assert info is not None
+    back = await aiopersist.load(tmp_path / "c")
+    for k, t in expected.items():
+        assert torch.equal(back["weights"][k], t)
+
+
+async def test_done_only_once_durable_and_published(backend_name: str, tmp_path: Path) -> None:
+    seen: list[bool] = []
+    async with aiopersist.Checkpointer(backend=backend_name) as ck:
+        handle = await ck.save(_state(), tmp_path / "c")
+        handle.done.add_done_callback(lambda _f: seen.append((tmp_path / "c" / "aiopersist.json").exists()))
+        assert not handle.done.done()
+        await handle.done
+    assert seen == [True]
+    await aiopersist.verify(tmp_path / "c")
+
+
+async def test_errors_reach_both_futures_with_their_type(backend_name: str, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    async with aiopersist.Checkpointer(backend=backend_name) as ck:
+        handle = await ck.save(_state(), tmp_path / "file" / "c")  # the parent is a file
+        with pytest.raises(aiopersist.CheckpointIOError) as staged:
+            await handle.staged
+        with pytest.raises(aiopersist.CheckpointIOError) as done:
+            await handle.done
+        assert staged.value is done.value
+        with pytest.raises(aiopersist.UnsupportedStateError, match=r"state\['x'\]"):
+            await ck.save({"x": object()}, tmp_path / "d")
+        # the Checkpointer goes on after a failed save
+        ok = await ck.save(_state(), tmp_path / "e")
+        assert (await ok.done) is not None
+
+
+@pytest.mark.root
+async def test_disk_full_during_a_save(backend_name: str, small_fs: Path) -> None:
+    async with aiopersist.Checkpointer(backend=backend_name) as ck:
+        handle = await ck.save(_state(n=4), small_fs / "c")  # 8 MiB into 4 MiB
+        with pytest.raises(aiopersist.DiskFullError):
+            await handle.done
+    assert os.listdir(small_fs) == []
+
+
+async def test_on_busy_skip_and_wait(backend_name: str, tmp_path: Path) -> None:
+    async with aiopersist.Checkpointer(backend=backend_name, on_busy="skip") as ck:
+        first = await ck.save(_state(1), tmp_path / "a")
+        second = await ck.save(_state(2), tmp_path / "b")
+        assert second.skipped
+        assert await second.done is None
+        await first.done
+    assert not (tmp_path / "b").exists()
+    order: list[str] = []
+    async with aiopersist.Checkpointer(backend=backend_name, on_busy="wait") as ck:
+        first = await ck.save(_state(1), tmp_path / "c")
+        first.done.add_done_callback(lambda _f: order.append("first done"))
+        second = await ck.save(_state(2), tmp_path / "d")  # waits for the first: no interleaving
+        order.append("second started")
+        await second.done
+    assert order == ["first done", "second started"]
+    assert (await aiopersist.load(tmp_path / "d"))["step"] == 2
+
+
+async def test_staging_pool_is_never_exceeded(backend_name: str, tmp_path: Path) -> None:
+    async with aiopersist.Checkpointer(backend=backend_name, staging_bytes=8 << 20) as ck:
+        for i in range(3):
+            h = await ck.save(_state(i), tmp_path / f"c{i}")
+            await h.done
+        assert ck.pool.count == 2
+        assert ck.pool.peak_in_use <= ck.pool.count
+        assert ck.pool.acquisitions >= 3 * 4  # each 16 MiB state streamed through its 4 MiB buffers
+
+
+async def test_snapshot_budget_is_enforced(tmp_path: Path) -> None:
+    async with aiopersist.Checkpointer(mode="snapshot", snapshot_bytes=1 << 20) as ck:
+        with pytest.raises(aiopersist.SnapshotBudgetError, match="snapshot_bytes=1048576"):
+            await ck.save(_state(), tmp_path / "c")
+        h = await ck.save({"small": torch.ones(100)}, tmp_path / "d")
+        await h.done
+
+
+async def test_cancelled_save_leaves_no_final_directory(backend_name: str, tmp_path: Path) -> None:
+    async with aiopersist.Checkpointer(backend=backend_name) as ck:
+        await (await ck.save(_state(0), tmp_path / "c")).done
+        handle = await ck.save(_state(1), tmp_path / "c", overwrite=True)
+        for task in list(ck._tasks):
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handle.done
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert (await aiopersist.load(tmp_path / "c"))["step"] == 0  # the older one, intact
+
+
+async def test_aclose_drains_saves_in_flight(backend_name: str, tmp_path: Path) -> None:
+    ck = aiopersist.Checkpointer(backend=backend_name)
+    handle = await ck.save(_state(3), tmp_path / "c")
+    await ck.aclose()
+    assert handle.done.done()
+    assert (await aiopersist.load(tmp_path / "c"))["step"] == 3
+    with pytest.raises(RuntimeError, match="closed"):
+        await ck.save(_state(), tmp_path / "d")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_cuda_state_snapshot_round_trip(tmp_path: Path) -> None:
+    state = {"w": torch.randn(1024, 1024, device="cuda")}
+    expected = state["w"].cpu()
+    async with aiopersist.Checkpointer(mode="snapshot") as ck:
+        h = await ck.save(state, tmp_path / "c")
+        await h.staged
+        state["w"].zero_()
+        await h.done
+    assert torch.equal((await aiopersist.load(tmp_path / "c"))["w"], expected)
