@@ -138,8 +138,6 @@ class _Walker:
             raise UnsupportedStateError(f"{where}: {t.layout} tensors are not supported")
         if t.device.type not in ("cpu", "cuda"):
             raise UnsupportedStateError(f"{where}: tensors on {t.device.type} are not supported")
-        if t.device.type == "cuda":
-            raise UnsupportedStateError(f"{where}: CUDA tensors are not supported by save() yet")
         if not supported_dtype(t.dtype):
             raise UnsupportedStateError(f"{where}: dtype {t.dtype} has no safetensors equivalent")
         if t.is_conj() or t.is_neg():

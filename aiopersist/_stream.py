@@ -93,6 +93,7 @@ class FileWriter:
         self._offset = 0  # file offset of the current buffer
         self._pending: list[asyncio.Task[int]] = []
         self._hasher = hasher
+        self._pinned: list[torch.Tensor] | None = None  # GPU bounce buffers, made on first use
         self.bytes_written = 0
 
     async def open(self) -> FileWriter:
@@ -129,6 +130,9 @@ class FileWriter:
         A non-contiguous tensor is made contiguous a block of rows at a time (about one
         staging buffer each), never as a whole: memory stays bounded by the pool.
         """
+        if isinstance(data, torch.Tensor) and data.device.type == "cuda":
+            await self._write_cuda(data)
+            return
         if isinstance(data, torch.Tensor) and not data.is_contiguous() and data.dim() > 1 and data.numel():
             row_bytes = data[0].numel() * data.element_size()
             rows = max(1, self._pool.buffer_bytes // max(1, row_bytes))
@@ -158,6 +162,49 @@ class FileWriter:
             self.bytes_written += take
             if self._fill == buf.size:
                 self._launch(buf.size)
+
+    async def _write_cuda(self, data: torch.Tensor) -> None:
+        """A GPU tensor: chunks copied device-to-host into two pinned buffers on a side
+        stream, the copy of chunk k+1 running while chunk k is staged and written.
+
+        The side stream waits (on the GPU, not the host) for the work already queued on
+        the current stream, so the bytes are those the caller sees; the training stream
+        itself is never synchronized.
+        """
+        if not data.is_contiguous():
+            if data.dim() > 1:
+                rows = max(1, self._pool.buffer_bytes // max(1, data[0].numel() * data.element_size()))
+                for start in range(0, data.shape[0], rows):
+                    await self._write_cuda(data[start : start + rows].contiguous())
+                return
+            data = data.contiguous()
+        src = data.reshape(-1).view(torch.uint8)
+        n = src.numel()
+        if n == 0:
+            return
+        chunk = self._pool.buffer_bytes
+        if self._pinned is None:
+            self._pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        stream = torch.cuda.Stream(device=data.device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(data.device))
+
+        def start_copy(k: int) -> tuple[torch.cuda.Event, int]:
+            assert self._pinned is not None
+            lo, hi = k * chunk, min(n, (k + 1) * chunk)
+            with torch.cuda.stream(stream):
+                self._pinned[k % 2][: hi - lo].copy_(src[lo:hi], non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+            return event, hi - lo
+
+        chunks = -(-n // chunk)
+        pending = start_copy(0)
+        for k in range(chunks):
+            event, length = pending
+            await asyncio.to_thread(event.synchronize)  # the host waits here, not the GPU
+            if k + 1 < chunks:
+                pending = start_copy(k + 1)  # overlaps the staging of chunk k below
+            await self.write(self._pinned[k % 2][:length])
 
     def _launch(self, length: int) -> None:
         assert self._buf is not None

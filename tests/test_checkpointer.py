@@ -143,3 +143,19 @@ async def test_cuda_state_snapshot_round_trip(tmp_path: Path) -> None:
         state["w"].zero_()
         await h.done
     assert torch.equal((await aiopersist.load(tmp_path / "c"))["w"], expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_cuda_state_fence_streams_through_pinned_buffers(backend_name: str, tmp_path: Path) -> None:
+    w = torch.randn(3000, 1000, device="cuda")  # 12 MiB: several chunks, an uneven last one
+    state = {"w": w, "t": w.t(), "small": torch.arange(5, device="cuda")}
+    expected = {k: v.cpu() for k, v in state.items()}
+    async with aiopersist.Checkpointer(backend=backend_name) as ck:
+        h = await ck.save({"s": state}, tmp_path / "c")
+        await h.staged
+        w.zero_()
+        await h.done
+    back = (await aiopersist.load(tmp_path / "c"))["s"]
+    for k, v in expected.items():
+        assert torch.equal(back[k], v)
