@@ -170,6 +170,21 @@ def _bench_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_train(args: argparse.Namespace) -> int:
+    from ._bench_train import format_train, run_train
+
+    report = run_train(
+        os.path.abspath(args.dir),
+        rounds=args.rounds,
+        steps=args.steps,
+        batch=args.batch,
+        hidden=args.hidden,
+        layers=args.layers,
+    )
+    print(format_train(report))
+    return 0
+
+
 def _bench_raw(args: argparse.Namespace) -> int:
     from ._bench import format_raw, run_raw
 
@@ -652,6 +667,14 @@ def build_parser() -> argparse.ArgumentParser:
         ck.add_argument("--json", action="store_true", help="print the report as JSON")
         ck.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart")
         ck.set_defaults(func=_bench_ckpt)
+    train = bench_sub.add_parser("train", help="a training loop checkpointing every step: overhead per mode")
+    train.add_argument("--dir", default="bench-data", help="where the checkpoints go")
+    train.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+    train.add_argument("--steps", type=int, default=6, help="steps per mode and round (default: 6)")
+    train.add_argument("--batch", type=int, help="batch size (default: calibrated to the save time)")
+    train.add_argument("--hidden", type=int, default=2048, help="MLP width (default: 2048)")
+    train.add_argument("--layers", type=int, default=12, help="MLP depth (default: 12; ~50M parameters)")
+    train.set_defaults(func=_bench_train)
 
     backends = ("auto", "io_uring", "threads")
     inspect = sub.add_parser(

@@ -1,0 +1,275 @@
+"""``aiopersist bench train``: what checkpointing every step costs a training loop.
+
+A CPU training loop (an MLP of about 50M parameters with AdamW, the batch sized so that
+one step takes about as long as writing its checkpoint) checkpoints after every
+optimizer step, in one of four modes, interleaved round by round:
+
+- ``none``: no checkpoint (the baseline step time);
+- ``torch.save``: ``torch.save`` of the state dicts plus fsync, in the loop;
+- ``fence``: `BlockingCheckpointer` in fence mode: the save runs in the background and the
+  next optimizer step waits on ``wait_staged()``;
+- ``snapshot``: the same in snapshot mode (a host copy first, then the write).
+
+For each mode: the median step time and its overhead over ``none``, the time the training
+thread was blocked per save (starting the save, plus waiting on the fence; for
+``torch.save`` the whole save), that time as a share of the save's duration, and the peak
+growth of resident memory. Targets: aiopersist adds at most 10% to the step time and
+blocks at most 5% of the save's duration; fence mode stays within the staging pool.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+import torch
+
+from ._blocking import BlockingCheckpointer, BlockingSaveHandle
+
+MODES: tuple[str, ...] = ("none", "torch.save", "fence", "snapshot")
+
+
+def build_model(hidden: int = 2048, layers: int = 12) -> torch.nn.Module:
+    torch.manual_seed(0)
+    blocks: list[torch.nn.Module] = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(hidden, hidden), torch.nn.GELU()]
+    return torch.nn.Sequential(*blocks)
+
+
+def _rss_hwm_reset() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    mode: str
+    step_seconds: float
+    """Median step time."""
+    overhead: float
+    """``step_seconds / none's - 1``."""
+    blocked_seconds: float
+    """Median time the training thread was blocked per save."""
+    save_seconds: float
+    """Median duration of one save (start to durable)."""
+    rss_growth_mib: float
+    """Peak resident-memory growth over the loop's own, worst round."""
+
+    @property
+    def blocked_share(self) -> float:
+        return self.blocked_seconds / self.save_seconds if self.save_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    params: int
+    checkpoint_bytes: int
+    batch: int
+    steps: int
+    rounds: int
+    staging_bytes: int
+    results: tuple[TrainResult, ...]
+
+
+class _Loop:
+    def __init__(self, directory: str, batch: int, hidden: int, layers: int) -> None:
+        self.model = build_model(hidden, layers)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(batch, hidden)
+        self.directory = directory
+        self.step()  # AdamW's state exists from here on: the checkpoint has its full size
+
+    def step(self) -> None:
+        loss = self.model(self.x).pow(2).mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+
+    def forward_backward(self) -> None:
+        self.model(self.x).pow(2).mean().backward()
+
+    def state(self) -> dict[str, object]:
+        return {"model": self.model, "optim": self.opt}
+
+    def run(
+        self, mode: str, steps: int, ck: dict[str, BlockingCheckpointer]
+    ) -> tuple[list[float], list[float], list[float], float]:
+        """``steps`` steps checkpointing after each: step times, blocked time per save,
+        save durations, peak RSS growth in MiB."""
+        path = os.path.join(self.directory, f"ckpt-{mode}")
+        step_times: list[float] = []
+        blocked: list[float] = []
+        save_times: list[float] = []
+        handle: BlockingSaveHandle | None = None
+        waited = 0.0
+        base_kib = _status_kib("VmRSS")
+        _rss_hwm_reset()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.forward_backward()
+            if handle is not None:
+                tw = time.perf_counter()
+                handle.wait_staged()  # the fence: right before the optimizer mutates
+                waited = time.perf_counter() - tw
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=False)
+            ts = time.perf_counter()
+            if mode == "torch.save":
+                with open(path + ".pt", "wb") as f:
+                    torch.save({"model": self.model.state_dict(), "optim": self.opt.state_dict()}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                save_times.append(time.perf_counter() - ts)
+                blocked.append(time.perf_counter() - ts)
+            elif mode in ck:
+                previous = handle
+                # Starts at once if the previous save is durable; else waits for it here.
+                handle = ck[mode].save(self.state(), path, overwrite=True)
+                if previous is not None:
+                    blocked.append(waited + time.perf_counter() - ts)
+                    info = previous.wait()
+                    if info is not None:
+                        save_times.append(info.seconds)
+            step_times.append(time.perf_counter() - t0)
+        if handle is not None:
+            info = handle.wait()
+            if info is not None:
+                save_times.append(info.seconds)
+        growth = (_status_kib("VmHWM") - base_kib) / 1024
+        return step_times, blocked, save_times, growth
+
+
+def run_train(
+    directory: str,
+    *,
+    rounds: int = 3,
+    steps: int = 6,
+    batch: int | None = None,
+    hidden: int = 2048,
+    layers: int = 12,
+    modes: Sequence[str] = MODES,
+    out: TextIO = sys.stdout,
+) -> TrainReport:
+    """Run the benchmark; see the module docstring. Files go under ``directory``."""
+    os.makedirs(directory, exist_ok=True)
+    work = os.path.join(directory, f".aiopersist-bench-train-{os.getpid()}")
+    os.makedirs(work, exist_ok=True)
+    checkpointers = {
+        "fence": BlockingCheckpointer(mode="fence"),
+        "snapshot": BlockingCheckpointer(mode="snapshot"),
+    }
+    try:
+        probe = _Loop(work, 64, hidden, layers)
+        params = sum(p.numel() for p in probe.model.parameters())
+        ckpt_bytes = params * 4 * 3  # weights + AdamW's two moments
+        if batch is None:
+            # Calibrate: a step about as long as writing the checkpoint.
+            h = checkpointers["fence"].save(probe.state(), os.path.join(work, "calibrate"), overwrite=True)
+            info = h.wait()
+            save_s = info.seconds if info is not None else 0.5
+            t0 = time.perf_counter()
+            for _ in range(2):
+                probe.step()
+            per_sample = (time.perf_counter() - t0) / 2 / 64
+            batch = max(8, int(save_s / per_sample))
+        loop = _Loop(work, batch, hidden, layers)
+        del probe
+        out.write(
+            f"model: {params / 1e6:.1f}M parameters, checkpoint {ckpt_bytes / 2**20:.0f} MiB, batch {batch}, "
+            f"{steps} steps x {rounds} rounds per mode\n"
+        )
+        per_mode: dict[str, dict[str, list[float]]] = {
+            m: {"step": [], "blocked": [], "save": [], "rss": []} for m in modes
+        }
+        for r in range(rounds):
+            order = list(modes[r % len(modes) :]) + list(modes[: r % len(modes)])
+            for mode in order:
+                os.sync()
+                steps_t, blocked, saves, growth = loop.run(mode, steps, checkpointers)
+                per_mode[mode]["step"] += steps_t[1:]  # the first step of a run warms up
+                per_mode[mode]["blocked"] += blocked
+                per_mode[mode]["save"] += saves
+                per_mode[mode]["rss"].append(growth)
+                out.write(
+                    f"round {r + 1}/{rounds}  {mode:<10} step {statistics.median(steps_t[1:]):.3f} s"
+                    + (f"  blocked/save {statistics.median(blocked):.3f} s" if blocked else "")
+                    + "\n"
+                )
+                out.flush()
+        base = statistics.median(per_mode["none"]["step"]) if "none" in per_mode else float("nan")
+        results = []
+        for mode in modes:
+            d = per_mode[mode]
+            step = statistics.median(d["step"])
+            results.append(
+                TrainResult(
+                    mode,
+                    step,
+                    step / base - 1,
+                    statistics.median(d["blocked"]) if d["blocked"] else 0.0,
+                    statistics.median(d["save"]) if d["save"] else 0.0,
+                    max(d["rss"]),
+                )
+            )
+        staging = checkpointers["fence"].checkpointer.pool.capacity_bytes
+        return TrainReport(params, ckpt_bytes, batch, steps, rounds, staging, tuple(results))
+    finally:
+        for ck in checkpointers.values():
+            ck.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def format_train(report: TrainReport) -> str:
+    lines = [
+        f"aiopersist bench train: {report.params / 1e6:.1f}M parameters + AdamW, checkpoint "
+        f"{report.checkpoint_bytes / 2**20:.0f} MiB every step, batch {report.batch}, medians",
+        "",
+        "{:<11} {:>7} {:>9} {:>15} {:>7} {:>10} {:>14}".format(
+            "mode", "step s", "overhead", "blocked/save s", "save s", "blocked %", "peak RSS +MiB"
+        ),
+    ]
+    for r in report.results:
+        blocked = f"{r.blocked_seconds:.3f}" if r.mode != "none" else "-"
+        share = f"{100 * r.blocked_share:.1f}%" if r.mode != "none" else "-"
+        save = f"{r.save_seconds:.2f}" if r.mode != "none" else "-"
+        lines.append(
+            f"{r.mode:<11} {r.step_seconds:>7.3f} {100 * r.overhead:>8.1f}% {blocked:>15} {save:>7} "
+            f"{share:>10} {r.rss_growth_mib:>14.0f}"
+        )
+    lines.append("")
+    lines.append(
+        f"targets: aiopersist step overhead <= 10%, blocked <= 5% of a save, fence RSS growth <= staging "
+        f"({report.staging_bytes / 2**20:.0f} MiB)"
+    )
+    for r in report.results:
+        if r.mode in ("fence", "snapshot"):
+            lines.append(
+                f"  {r.mode:<9} overhead {100 * r.overhead:.1f}% "
+                f"{'met' if r.overhead <= 0.10 else 'MISSED'}; "
+                f"blocked {100 * r.blocked_share:.1f}% {'met' if r.blocked_share <= 0.05 else 'MISSED'}"
+                + (
+                    f"; RSS +{r.rss_growth_mib:.0f} MiB "
+                    f"{'met' if r.rss_growth_mib * 2**20 <= report.staging_bytes * 1.5 else 'MISSED'}"
+                    if r.mode == "fence"
+                    else ""
+                )
+            )
+    return "\n".join(lines)
