@@ -19,6 +19,7 @@ test: setup
 demo: setup
 	$(VENV)/bin/aiopersist doctor .
 	$(VENV)/bin/aiopersist demo --dir .demo-data
+	$(VENV)/bin/aiopersist bench train --dir .demo-data --rounds 1 --steps 4 --hidden 1536 --layers 8
 
 check: setup
 	$(VENV)/bin/ruff check aiopersist tests setup.py
@@ -29,6 +30,7 @@ bench: setup
 	$(VENV)/bin/aiopersist bench raw --dir bench-data
 	$(VENV)/bin/aiopersist bench save --dir bench-data --plot bench-data/save.png
 	$(VENV)/bin/aiopersist bench load --dir bench-data --plot bench-data/load.png
+	$(VENV)/bin/aiopersist bench train --dir bench-data
 
 clean:
 	rm -rf build site bench-data .demo-data *.egg-info aiopersist/_native/_liburing*.so

@@ -171,8 +171,14 @@ def _bench_ckpt(args: argparse.Namespace) -> int:
 
 
 def _bench_train(args: argparse.Namespace) -> int:
+    import torch
+
     from ._bench_train import format_train, run_train
 
+    if args.torch_threads:
+        # Leaves cores to the writer: an OpenMP team waits for its slowest thread, so a
+        # busy core slows every parallel op of the training step.
+        torch.set_num_threads(args.torch_threads)
     report = run_train(
         os.path.abspath(args.dir),
         rounds=args.rounds,
@@ -674,6 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch", type=int, help="batch size (default: calibrated to the save time)")
     train.add_argument("--hidden", type=int, default=2048, help="MLP width (default: 2048)")
     train.add_argument("--layers", type=int, default=12, help="MLP depth (default: 12; ~50M parameters)")
+    train.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the training loop")
     train.set_defaults(func=_bench_train)
 
     backends = ("auto", "io_uring", "threads")

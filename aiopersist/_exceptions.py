@@ -10,7 +10,9 @@ Every error has one root, so ``except aiopersist.AiopersistError`` catches them 
     ├── CheckpointExistsError (FileExistsError)
     ├── CheckpointCorruptError (ValueError)   what is on disk is not a valid checkpoint
     ├── UnsupportedStateError (TypeError)     the object to save holds something unstorable
-    └── StateMismatchError (KeyError)         load(into=...): the saved state does not fit
+    ├── StateMismatchError (KeyError)         load(into=...): the saved state does not fit
+    └── SnapshotBudgetError (MemoryError)     Checkpointer(mode="snapshot"): over the budget
+                                              (defined in _checkpointer)
 
 Lower-level errors (``OSError`` from the system, errno codes returned by io_uring) are
 mapped to these in one place, `io_error`, and re-raised ``from`` the original.

@@ -56,3 +56,14 @@ def test_bench_save_and_load_small(tmp_path: Path) -> None:
         assert sorted(names) == sorted([peer, "aiopersist-threads"])
         assert plot.stat().st_size > 1000
     assert not any((tmp_path / "d").iterdir())  # cleaned up
+
+
+def test_bench_train_small(tmp_path: Path) -> None:
+    proc = _cli(
+        "bench", "train", "--dir", str(tmp_path / "d"), "--rounds", "1", "--steps", "3",
+        "--hidden", "256", "--layers", "2", "--batch", "16",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split()[0] for line in proc.stdout.splitlines() if line[:1].isalpha()}
+    assert {"none", "torch.save", "fence", "snapshot"} <= rows
+    assert not any((tmp_path / "d").iterdir())  # the checkpoints are cleaned up
