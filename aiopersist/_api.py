@@ -24,7 +24,7 @@ import torch
 
 from . import _knobs
 from ._backends import IOBackend, open_backend
-from ._commit import atomic_directory
+from ._commit import atomic_directory, remove_path
 from ._direct import AlignedBuffer, DirectIOInfo, empty_for_direct_read, probe_directory, probe_file_for_read
 from ._exceptions import (
     CheckpointCorruptError,
@@ -197,6 +197,7 @@ async def write_checkpoint(
     metadata: Mapping[str, str] | None,
     overwrite: bool,
     staged: Callable[[], None] | None = None,
+    discard: Callable[[str], None] | None = None,
 ) -> SaveInfo:
     """Write a flattened state as a checkpoint at ``path`` and publish it; the engine room of
     `save` and of `Checkpointer.save`. ``staged()`` is called once every tensor byte has
@@ -214,7 +215,7 @@ async def write_checkpoint(
 
     if remaining == 0 and staged is not None:
         staged()
-    async with atomic_directory(path, overwrite=overwrite) as pending:
+    async with atomic_directory(path, overwrite=overwrite, discard=discard or remove_path) as pending:
         dio = await asyncio.to_thread(probe_directory, pending.tmp)
         jobs = [
             _write_file(

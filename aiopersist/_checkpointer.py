@@ -29,6 +29,7 @@ import torch
 from . import _knobs
 from ._api import PlannedFile, SaveInfo, plan_files, plan_signature, write_checkpoint
 from ._backends import IOBackend, create_backend
+from ._commit import remove_path
 from ._direct import AlignedBuffer, copy_bytes
 from ._exceptions import AiopersistError
 from ._flatten import Flattened, StoredTensor, flatten
@@ -114,7 +115,7 @@ class Checkpointer:
         self.pool = StagingPool(chunk, count)
         self._backend: IOBackend | None = None
         self._slots: asyncio.Semaphore | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[None]] = set()
         self._handles: list[SaveHandle] = []
         self._plan: tuple[tuple[object, ...], list[PlannedFile]] | None = None
         self._snapshot: AlignedBuffer | None = None
@@ -215,6 +216,7 @@ class Checkpointer:
     ) -> None:
         assert self._backend is not None
         assert self._slots is not None
+        replaced: list[str] = []  # filled from the publishing thread; list.append is atomic
         try:
             info = await write_checkpoint(
                 self._backend,
@@ -225,6 +227,7 @@ class Checkpointer:
                 metadata=metadata,
                 overwrite=overwrite,
                 staged=lambda: _resolve(handle.staged, None),
+                discard=replaced.append,
             )
         except BaseException as exc:
             _fail(handle.staged, exc)
@@ -238,8 +241,17 @@ class Checkpointer:
         else:
             _resolve(handle.staged, None)
             _resolve(handle.done, info)
+        finally:
+            if replaced:
+                # The checkpoint this one replaced is deleted after `done`, off its clock.
+                self._cleanup(replaced)
 
-    def _finished(self, task: asyncio.Task[None], handle: SaveHandle) -> None:
+    def _cleanup(self, paths: list[str]) -> None:
+        task = asyncio.ensure_future(asyncio.to_thread(_delete_all, paths))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _finished(self, task: asyncio.Future[None], handle: SaveHandle) -> None:
         # Runs however the task ended, also when it was cancelled before it ever started
         # (then _run's own handlers never ran): the slot and the handle are settled here.
         self._tasks.discard(task)
@@ -292,3 +304,8 @@ def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             copy_bytes(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
         else:
             dst.copy_(src)  # strided or on a GPU: torch does the gather or the transfer
+
+
+def _delete_all(paths: list[str]) -> None:
+    for path in paths:
+        remove_path(path)

@@ -78,7 +78,7 @@ def renameat2(src: str, dst: str, flags: int) -> bool:
     raise io_error(err, "renameat2", src)
 
 
-def _remove(path: str) -> None:
+def remove_path(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -86,7 +86,7 @@ def _remove(path: str) -> None:
             os.unlink(path)
 
 
-def _exchange(tmp: str, final: str) -> bool:
+def _exchange(tmp: str, final: str, discard: Callable[[str], None]) -> bool:
     """Swap the new checkpoint in; afterwards ``tmp`` holds the old one, then goes."""
     if not renameat2(tmp, final, RENAME_EXCHANGE):
         return False
@@ -97,19 +97,19 @@ def _exchange(tmp: str, final: str) -> bool:
         # place (the caller's cleanup then removes the new one from tmp).
         renameat2(tmp, final, RENAME_EXCHANGE)
         raise
-    _remove(tmp)
+    discard(tmp)
     return True
 
 
-def _publish(tmp: str, final: str, overwrite: bool) -> None:
+def _publish(tmp: str, final: str, overwrite: bool, discard: Callable[[str], None] = remove_path) -> None:
     parent = os.path.dirname(final)
     fsync_directory(tmp)
     if overwrite and os.path.lexists(final):
         # One atomic swap: the new checkpoint takes the final name and the old one the
         # temporary name, in a single step. A crash leaves one or the other complete
         # under the final name, never neither.
-        if not _exchange(tmp, final):
-            _publish_by_two_renames(tmp, final)
+        if not _exchange(tmp, final, discard):
+            _publish_by_two_renames(tmp, final, discard)
         return
     # No clobbering of a checkpoint that appeared since the check in atomic_directory.
     try:
@@ -117,14 +117,14 @@ def _publish(tmp: str, final: str, overwrite: bool) -> None:
     except CheckpointExistsError:
         if not overwrite:
             raise
-        placed = _exchange(tmp, final)  # it appeared meanwhile, and we may replace it
+        placed = _exchange(tmp, final, discard)  # it appeared meanwhile, and we may replace it
         if placed:
             return
     if not placed:
         if os.path.lexists(final):
             if not overwrite:
                 raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
-            _publish_by_two_renames(tmp, final)
+            _publish_by_two_renames(tmp, final, discard)
             return
         try:
             os.rename(tmp, final)
@@ -133,7 +133,7 @@ def _publish(tmp: str, final: str, overwrite: bool) -> None:
     fsync_directory(parent)
 
 
-def _publish_by_two_renames(tmp: str, final: str) -> None:
+def _publish_by_two_renames(tmp: str, final: str, discard: Callable[[str], None]) -> None:
     """Without renameat2: move the old one aside, move the new one in. A crash between
     the two leaves the old checkpoint complete under its moved-aside name."""
     parent = os.path.dirname(final)
@@ -148,7 +148,7 @@ def _publish_by_two_renames(tmp: str, final: str) -> None:
         os.rename(old, final)
         raise from_os_error(exc, "rename", tmp) from exc
     fsync_directory(parent)
-    _remove(old)
+    discard(old)
 
 
 @dataclass(frozen=True)
@@ -175,13 +175,18 @@ def _make_temp(final: str | os.PathLike[str], overwrite: bool) -> PendingDirecto
 
 @contextlib.asynccontextmanager
 async def atomic_directory(
-    final: str | os.PathLike[str], *, overwrite: bool = False
+    final: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    discard: Callable[[str], None] = remove_path,
 ) -> AsyncIterator[PendingDirectory]:
     """Yield a fresh temporary directory; on success publish it as ``final`` atomically.
 
     On error or cancellation the temporary directory is removed and nothing under
     ``final`` changes. ``overwrite=False`` and an existing ``final`` raise
     [`CheckpointExistsError`][aiopersist.CheckpointExistsError] before anything is written.
+    A replaced checkpoint is handed to ``discard`` (called in a worker thread; it deletes
+    it at once by default), once the new one is durable.
     """
     pending = await asyncio.to_thread(_make_temp, final, overwrite)
     try:
@@ -189,7 +194,7 @@ async def atomic_directory(
         # Publication runs to its end even if we are cancelled meanwhile: the worker
         # thread would go on renaming while the cleanup below deleted its files.
         await wait_uncancellable(
-            asyncio.ensure_future(asyncio.to_thread(_publish, pending.tmp, pending.final, overwrite))
+            asyncio.ensure_future(asyncio.to_thread(_publish, pending.tmp, pending.final, overwrite, discard))
         )
     except BaseException:
         shutil.rmtree(pending.tmp, ignore_errors=True)

@@ -159,3 +159,13 @@ async def test_cuda_state_fence_streams_through_pinned_buffers(backend_name: str
     back = (await aiopersist.load(tmp_path / "c"))["s"]
     for k, v in expected.items():
         assert torch.equal(back[k], v)
+
+
+async def test_replaced_checkpoint_is_deleted_after_done(backend_name: str, tmp_path: Path) -> None:
+    async with aiopersist.Checkpointer(backend=backend_name) as ck:
+        for step in range(3):
+            h = await ck.save(_state(step), tmp_path / "c", overwrite=True)
+            assert await h.done is not None
+    # after aclose every replaced checkpoint is gone; the newest is in place
+    assert os.listdir(tmp_path) == ["c"]
+    assert (await aiopersist.load(tmp_path / "c"))["step"] == 2
