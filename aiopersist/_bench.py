@@ -46,14 +46,14 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
 
 from . import _knobs
-from ._backends import create_backend, resolve_backend_name
+from ._backends import IOBackend, create_backend, resolve_backend_name
 from ._direct import AlignedBuffer, DirectIOInfo, probe_directory
 from ._exceptions import BackendUnavailableError
 from ._staging import StagingPool
@@ -251,42 +251,39 @@ async def _warm_pool(pool: StagingPool) -> None:
         pool.release(buf)
 
 
-async def _engine_write(
-    backend_name: str, path: str, dio: DirectIOInfo, source: torch.Tensor, chunk: int, buffers: int
-) -> float:
+@contextlib.asynccontextmanager
+async def _engine(
+    backend_name: str, chunk: int, buffers: int
+) -> AsyncIterator[tuple[IOBackend, StagingPool]]:
+    """A backend and a warmed pool of the benchmark's geometry, released afterwards."""
     backend = create_backend(backend_name, queue_depth=buffers)
     pool = StagingPool(chunk, buffers)
     try:
         await _warm_pool(pool)
-        start = time.perf_counter()
-        writer = FileWriter(backend, path, dio, pool)
-        await writer.open()
-        try:
-            for pos in range(0, source.numel(), _PIECE):
-                await writer.write(source[pos : pos + _PIECE])
-        except BaseException:
-            await writer.abort()
-            raise
-        await writer.finish()
-        return time.perf_counter() - start
+        yield backend, pool
     finally:
         pool.close()
         await backend.aclose()
+
+
+async def _engine_write(
+    backend_name: str, path: str, dio: DirectIOInfo, source: torch.Tensor, chunk: int, buffers: int
+) -> float:
+    async with _engine(backend_name, chunk, buffers) as (backend, pool):
+        start = time.perf_counter()
+        async with FileWriter(backend, path, dio, pool) as writer:
+            for pos in range(0, source.numel(), _PIECE):
+                await writer.write(source[pos : pos + _PIECE])
+        return time.perf_counter() - start
 
 
 async def _engine_read(
     backend_name: str, path: str, dio: DirectIOInfo, dest: torch.Tensor, chunk: int, buffers: int
 ) -> float:
-    backend = create_backend(backend_name, queue_depth=buffers)
-    pool = StagingPool(chunk, buffers)
-    try:
-        await _warm_pool(pool)
+    async with _engine(backend_name, chunk, buffers) as (backend, pool):
         start = time.perf_counter()
         await read_segments(backend, path, dio, pool, [(0, dest)])
         return time.perf_counter() - start
-    finally:
-        pool.close()
-        await backend.aclose()
 
 
 # -- plain Python files ----------------------------------------------------------------------

@@ -19,7 +19,17 @@ from ._base import Buffer, IOBackend, wait_uncancellable
 T = TypeVar("T")
 
 
-def _pwrite_all(fd: int, buf: Buffer, offset: int, name: str | None) -> int:
+def _positional(
+    op: Callable[[int, memoryview, int], int],
+    call: str,
+    fd: int,
+    buf: Buffer,
+    offset: int,
+    name: str | None,
+    *,
+    reading: bool,
+) -> int:
+    """Repeat a positional read or write until ``buf`` is done; a read stops at end of file."""
     # Views are released on the way out, errors included: a traceback that kept one
     # alive would pin the caller's buffer (an mmap could not be unmapped).
     with memoryview(buf) as raw, raw.cast("B") as view:
@@ -28,33 +38,29 @@ def _pwrite_all(fd: int, buf: Buffer, offset: int, name: str | None) -> int:
         while done < total:
             try:
                 with view[done:] as part:
-                    n = os.pwrite(fd, part, offset + done)
+                    n = op(fd, part, offset + done)
             except BlockingIOError:  # EAGAIN; EINTR is retried by Python itself (PEP 475)
                 continue
             except OSError as exc:
-                raise from_os_error(exc, "pwrite", name) from exc
+                raise from_os_error(exc, call, name) from exc
             if n == 0:
-                raise io_error(errno.EIO, "pwrite (no progress)", name)
+                if reading:
+                    break  # end of file
+                raise io_error(errno.EIO, f"{call} (no progress)", name)
             done += n
-        return total
+        return done
+
+
+def _preadv(fd: int, part: memoryview, offset: int) -> int:
+    return os.preadv(fd, [part], offset)
+
+
+def _pwrite_all(fd: int, buf: Buffer, offset: int, name: str | None) -> int:
+    return _positional(os.pwrite, "pwrite", fd, buf, offset, name, reading=False)
 
 
 def _pread_full(fd: int, buf: Buffer, offset: int, name: str | None) -> int:
-    with memoryview(buf) as raw, raw.cast("B") as view:
-        total = len(view)
-        done = 0
-        while done < total:
-            try:
-                with view[done:] as part:
-                    n = os.preadv(fd, [part], offset + done)
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                raise from_os_error(exc, "preadv", name) from exc
-            if n == 0:  # end of file
-                break
-            done += n
-        return done
+    return _positional(_preadv, "preadv", fd, buf, offset, name, reading=True)
 
 
 class ThreadsBackend(IOBackend):
