@@ -8,7 +8,15 @@ optimizer step, in one of four modes, interleaved round by round:
 - ``torch.save``: ``torch.save`` of the state dicts plus fsync, in the loop;
 - ``fence``: `BlockingCheckpointer` in fence mode: the save runs in the background and the
   next optimizer step waits on ``wait_staged()``;
-- ``snapshot``: the same in snapshot mode (a host copy first, then the write).
+- ``snapshot``: the same in snapshot mode (a host copy first, then the write);
+- ``fio``: a reference writer. ``fio`` writes the checkpoint's byte count (O_DIRECT,
+  io_uring, 4 MiB requests, a fresh file, fsync at the end) in a separate process after
+  each optimizer step, and the next optimizer step waits for it to exit. It does no
+  serialisation, no copy and no checksum: what it costs the training step is what the
+  disk's I/O alone costs on this machine while training holds the cores (on a virtual
+  machine, the hypervisor's share included). It is no strict floor: fio pays its process
+  start, and the scheduler shares the cores between its threads and the training's.
+  Skipped when ``fio`` is missing.
 
 For each mode: the median step time and its overhead over ``none``, the time the training
 thread was blocked per save (starting the save, plus waiting on the fence; for
@@ -19,9 +27,11 @@ blocks at most 5% of the save's duration; fence mode stays within the staging po
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -32,7 +42,7 @@ import torch
 
 from ._blocking import BlockingCheckpointer, BlockingSaveHandle
 
-MODES: tuple[str, ...] = ("none", "torch.save", "fence", "snapshot")
+MODES: tuple[str, ...] = ("none", "torch.save", "fio", "fence", "snapshot")
 
 
 def build_model(hidden: int = 2048, layers: int = 12) -> torch.nn.Module:
@@ -89,12 +99,48 @@ class TrainReport:
     results: tuple[TrainResult, ...]
 
 
+def _fio_write(fio: str, path: str, size: int) -> subprocess.Popen[bytes]:
+    """Start fio writing ``size`` bytes (rounded up to whole requests) to a fresh ``path``
+    the way a save does."""
+    chunk = min(4 << 20, -(-size // 4096) * 4096)
+    size = -(-size // chunk) * chunk
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return subprocess.Popen(
+        [
+            fio,
+            "--name=aiopersist-train-floor",
+            "--filename=" + path.replace(":", "\\:"),
+            "--rw=write",
+            f"--bs={chunk}",
+            f"--size={size}",
+            "--ioengine=io_uring",
+            "--direct=1",
+            "--iodepth=8",
+            "--end_fsync=1",
+            "--fallocate=none",
+            "--output-format=terse",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _fio_wait(proc: subprocess.Popen[bytes]) -> None:
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace")[-2000:]
+        raise RuntimeError(f"fio failed (exit status {proc.returncode}): {tail}")
+
+
 class _Loop:
     def __init__(self, directory: str, batch: int, hidden: int, layers: int) -> None:
         self.model = build_model(hidden, layers)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.x = torch.randn(batch, hidden)
         self.directory = directory
+        self.fio = shutil.which("fio") or "fio"
+        self.checkpoint_bytes = sum(p.numel() for p in self.model.parameters()) * 4 * 3
         self.step()  # AdamW's state exists from here on: the checkpoint has its full size
 
     def step(self) -> None:
@@ -119,6 +165,8 @@ class _Loop:
         blocked: list[float] = []
         save_times: list[float] = []
         handle: BlockingSaveHandle | None = None
+        fio: subprocess.Popen[bytes] | None = None
+        fio_started = 0.0
         waited = 0.0
         base_kib = _status_kib("VmRSS")
         _rss_hwm_reset()
@@ -129,6 +177,12 @@ class _Loop:
                 tw = time.perf_counter()
                 handle.wait_staged()  # the fence: right before the optimizer mutates
                 waited = time.perf_counter() - tw
+            if fio is not None:
+                tw = time.perf_counter()
+                _fio_wait(fio)
+                blocked.append(time.perf_counter() - tw)
+                save_times.append(time.perf_counter() - fio_started)
+                fio = None
             self.opt.step()
             self.opt.zero_grad(set_to_none=False)
             ts = time.perf_counter()
@@ -139,6 +193,9 @@ class _Loop:
                     os.fsync(f.fileno())
                 save_times.append(time.perf_counter() - ts)
                 blocked.append(time.perf_counter() - ts)
+            elif mode == "fio":
+                fio_started = time.perf_counter()
+                fio = _fio_write(self.fio, path + ".fio", self.checkpoint_bytes)
             elif mode in ck:
                 previous = handle
                 # Starts at once if the previous save is durable; else waits for it here.
@@ -153,6 +210,9 @@ class _Loop:
             info = handle.wait()
             if info is not None:
                 save_times.append(info.seconds)
+        if fio is not None:
+            _fio_wait(fio)
+            save_times.append(time.perf_counter() - fio_started)
         growth = (_status_kib("VmHWM") - base_kib) / 1024
         return step_times, blocked, save_times, growth
 
@@ -169,6 +229,9 @@ def run_train(
     out: TextIO = sys.stdout,
 ) -> TrainReport:
     """Run the benchmark; see the module docstring. Files go under ``directory``."""
+    if "fio" in modes and shutil.which("fio") is None:
+        out.write("fio is not installed: the fio floor is skipped\n")
+        modes = [m for m in modes if m != "fio"]
     os.makedirs(directory, exist_ok=True)
     work = os.path.join(directory, f".aiopersist-bench-train-{os.getpid()}")
     os.makedirs(work, exist_ok=True)
@@ -253,6 +316,13 @@ def format_train(report: TrainReport) -> str:
         lines.append(
             f"{r.mode:<11} {r.step_seconds:>7.3f} {100 * r.overhead:>8.1f}% {blocked:>15} {save:>7} "
             f"{share:>10} {r.rss_growth_mib:>14.0f}"
+        )
+    floor = next((r for r in report.results if r.mode == "fio"), None)
+    if floor is not None:
+        lines.append("")
+        lines.append(
+            f"reference: fio alone (O_DIRECT writes of the same bytes, no serialisation, another process) "
+            f"adds {100 * floor.overhead:.1f}%"
         )
     lines.append("")
     lines.append(

@@ -173,8 +173,17 @@ def _bench_ckpt(args: argparse.Namespace) -> int:
 def _bench_train(args: argparse.Namespace) -> int:
     import torch
 
-    from ._bench_train import format_train, run_train
+    from ._bench_train import MODES, format_train, run_train
 
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or "none" not in modes:
+        print(
+            f"aiopersist bench train: --modes must name 'none' and only {', '.join(MODES)}; "
+            f"got {args.modes!r}",
+            file=sys.stderr,
+        )
+        return 2
     if args.torch_threads:
         # Leaves cores to the writer: an OpenMP team waits for its slowest thread, so a
         # busy core slows every parallel op of the training step.
@@ -186,6 +195,7 @@ def _bench_train(args: argparse.Namespace) -> int:
         batch=args.batch,
         hidden=args.hidden,
         layers=args.layers,
+        modes=modes,
     )
     print(format_train(report))
     return 0
@@ -681,6 +691,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--hidden", type=int, default=2048, help="MLP width (default: 2048)")
     train.add_argument("--layers", type=int, default=12, help="MLP depth (default: 12; ~50M parameters)")
     train.add_argument("--torch-threads", type=int, help="torch.set_num_threads for the training loop")
+    train.add_argument(
+        "--modes",
+        default="none,torch.save,fio,fence,snapshot",
+        help="comma-separated modes to interleave; 'none' is the baseline (default: all)",
+    )
     train.set_defaults(func=_bench_train)
 
     backends = ("auto", "io_uring", "threads")

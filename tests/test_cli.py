@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,4 +67,14 @@ def test_bench_train_small(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {line.split()[0] for line in proc.stdout.splitlines() if line[:1].isalpha()}
     assert {"none", "torch.save", "fence", "snapshot"} <= rows
+    if shutil.which("fio"):
+        assert "fio" in rows
+        assert "reference: fio alone" in proc.stdout
     assert not any((tmp_path / "d").iterdir())  # the checkpoints are cleaned up
+
+
+def test_bench_train_rejects_unknown_modes(tmp_path: Path) -> None:
+    proc = _cli("bench", "train", "--dir", str(tmp_path / "d"), "--modes", "none,fast")
+    assert proc.returncode == 2
+    assert "--modes" in proc.stderr
+    assert "'none,fast'" in proc.stderr
