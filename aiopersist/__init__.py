@@ -31,6 +31,7 @@ from ._exceptions import CheckpointExistsError as CheckpointExistsError
 from ._exceptions import CheckpointIOError as CheckpointIOError
 from ._exceptions import CheckpointNotFoundError as CheckpointNotFoundError
 from ._exceptions import DiskFullError as DiskFullError
+from ._exceptions import RankFailedError as RankFailedError
 from ._exceptions import StateMismatchError as StateMismatchError
 from ._exceptions import UnsupportedStateError as UnsupportedStateError
 from ._rng import RNGState as RNGState
@@ -55,6 +56,7 @@ __all__ = [
     "FileWriter",
     "IOBackend",
     "RNGState",
+    "RankFailedError",
     "SaveHandle",
     "SaveInfo",
     "SnapshotBudgetError",

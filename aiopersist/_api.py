@@ -40,6 +40,7 @@ from ._manifest import (
     MAX_MANIFEST_BYTES,
     FileRecord,
     Manifest,
+    RankState,
     TensorRecord,
     dump_manifest,
     new_hasher,
@@ -127,7 +128,7 @@ def plan_files(flat: Flattened, max_shard_bytes: int) -> list[PlannedFile]:
 # -- save -----------------------------------------------------------------------------------
 
 
-async def _write_file(
+async def write_file(
     be: IOBackend,
     path: str,
     dio: DirectIOInfo,
@@ -144,15 +145,32 @@ async def _write_file(
     return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())
 
 
+PathArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+def checkpoint_paths(path: PathArg) -> list[str]:
+    """``path`` as a list of absolute paths: the checkpoint, then its parts' directories."""
+    if isinstance(path, str | os.PathLike):
+        return [os.path.abspath(os.fspath(path))]
+    paths = [os.path.abspath(os.fspath(p)) for p in path]
+    if not paths:
+        raise ValueError("path: an empty list of directories")
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"path: the same directory is listed twice: {paths}")
+    return paths
+
+
 async def save(
     obj: object,
-    path: str | os.PathLike[str],
+    path: PathArg,
     *,
     backend: str = "auto",
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
     allow_pickle: bool = False,
     max_shard_bytes: int | None = None,
+    replicated: bool | Callable[[str], bool] | None = None,
+    group: Any = None,
 ) -> SaveInfo:
     """Save ``obj`` as a checkpoint directory at ``path``; durable when it returns.
 
@@ -168,6 +186,17 @@ async def save(
     ``from_pretrained`` reads it. An existing ``path`` raises
     [`CheckpointExistsError`][aiopersist.CheckpointExistsError] unless ``overwrite=True``,
     which replaces it atomically once the new checkpoint is durable.
+
+    **Several disks and ranks.** ``path`` may be a list of directories, one per disk: the
+    first is the checkpoint (it holds the manifest); the others get a part each. Under
+    ``torch.distributed`` every rank of ``group`` (the default group when ``None``) calls
+    `save` with the same ``path``; the bytes are split between the ranks, balanced, and
+    the checkpoint commits on all ranks or none. ``replicated`` says which tensors are the
+    same on every rank (written once, split between the ranks): ``True``, ``False`` or a
+    predicate on the tensor's name; by default the tensors of a
+    ``DistributedDataParallel`` module and replicated DTensors are, and dim-0 sharded
+    DTensors (FSDP2) are written by their owners as slices of one tensor. Anything else is
+    this rank's own. `SaveInfo.bytes_written` is what this rank wrote.
     """
     if metadata is not None and not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
@@ -175,13 +204,37 @@ async def save(
         raise TypeError("metadata must map str to str")
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    flat = flatten(obj, allow_pickle=allow_pickle)
-    planned = plan_files(flat, max_shard_bytes or _knobs.shard_bytes())
+    from ._dist import coordinator
+    from ._parallel import save_spread
+
+    paths = checkpoint_paths(path)
+    coord = coordinator(group)  # before any await: it may make the checkpoint's gloo group
+    flat: Flattened | Exception
+    try:
+        flat = flatten(obj, allow_pickle=allow_pickle)
+    except Exception as exc:
+        if coord is None:
+            raise
+        flat = exc  # the other ranks hear of it, and fail with it, rather than wait
+    shard = max_shard_bytes or _knobs.shard_bytes()
     pool = StagingPool()
     try:
         async with open_backend(backend) as be:
-            return await write_checkpoint(
-                be, pool, flat, planned, path, metadata=metadata, overwrite=overwrite
+            if coord is None and len(paths) == 1:
+                assert isinstance(flat, Flattened)
+                return await write_checkpoint(
+                    be, pool, flat, plan_files(flat, shard), paths[0], metadata=metadata, overwrite=overwrite
+                )
+            return await save_spread(
+                be,
+                pool,
+                flat,
+                paths,
+                coord,
+                replicated=replicated,
+                metadata=metadata,
+                overwrite=overwrite,
+                max_shard_bytes=shard,
             )
     finally:
         pool.close()
@@ -218,7 +271,7 @@ async def write_checkpoint(
     async with atomic_directory(path, overwrite=overwrite, discard=discard or remove_path) as pending:
         dio = await asyncio.to_thread(probe_directory, pending.tmp)
         jobs = [
-            _write_file(
+            write_file(
                 be,
                 os.path.join(pending.tmp, pf.name),
                 dio,
@@ -230,7 +283,7 @@ async def write_checkpoint(
         ]
         if pickled is not None:
             jobs.append(
-                _write_file(be, os.path.join(pending.tmp, PICKLE_FILE), dio, pool, [pickled], one_written)
+                write_file(be, os.path.join(pending.tmp, PICKLE_FILE), dio, pool, [pickled], one_written)
             )
         records = await asyncio.gather(*jobs)
         files: dict[str, FileRecord] = {}
@@ -265,7 +318,7 @@ async def write_checkpoint(
             index = {"metadata": {"total_size": flat.tensor_bytes}, "weight_map": weight_map}
             extra.append((MODEL_INDEX, json.dumps(index, indent=2).encode()))
         extra_records = await asyncio.gather(
-            *(_write_file(be, os.path.join(pending.tmp, n), dio, pool, [b]) for n, b in extra)
+            *(write_file(be, os.path.join(pending.tmp, n), dio, pool, [b]) for n, b in extra)
         )
     written = sum(r.nbytes for r in records) + sum(r.nbytes for r in extra_records)
     names = tuple(files) + tuple(n for n, _ in extra)
@@ -291,6 +344,13 @@ def _inside(directory: str, name: str, where: str) -> str:
     if os.path.commonpath([os.path.realpath(path), real_dir]) != real_dir:
         raise CheckpointCorruptError(f"{where}: {name!r} is a link that leads out of the checkpoint")
     return path
+
+
+def file_directory(directory: str, manifest: Manifest, rec: FileRecord) -> str:
+    """The directory that holds ``rec``: the checkpoint's own, or one of its parts."""
+    if rec.directory == 0:
+        return directory
+    return os.path.normpath(os.path.join(directory, manifest.directories[rec.directory]))
 
 
 def _size(path: str) -> int:
@@ -323,7 +383,7 @@ def _locate(path: str | os.PathLike[str]) -> _Located:
             manifest = parse_manifest(_read_small(mpath, MAX_MANIFEST_BYTES), mpath)
             sizes = {}
             for name, rec in manifest.files.items():
-                full = _inside(target, name, mpath)
+                full = _inside(file_directory(target, manifest, rec), name, mpath)
                 sizes[name] = _size(full)
                 if sizes[name] != rec.nbytes:
                     raise CheckpointCorruptError(
@@ -416,38 +476,45 @@ def _update(hasher: Any, parts: Sequence[torch.Tensor]) -> None:
             hasher.update(cast(Any, part.numpy()))
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """Bytes ``[begin, end)`` of a file, read into ``dest`` (a uint8 view)."""
+
+    begin: int
+    end: int
+    dest: torch.Tensor
+
+
 async def _read_manifest_file(
     be: IOBackend,
     loc: _Located,
     pool: StagingPool,
     prefault: _Prefaulter,
     rec: FileRecord,
-    tensors: Sequence[TensorRecord],
-) -> dict[str, torch.Tensor]:
-    path = os.path.join(loc.directory, rec.name)
-    ordered = sorted(tensors, key=lambda t: t.begin)
-    out: dict[str, torch.Tensor] = {}
+    segments: Sequence[_Segment],
+) -> torch.Tensor:
+    """Read every byte of one file into the segments' destinations and check its checksum;
+    returns the bytes before the first segment (the header, or the whole pickle file)."""
+    assert loc.manifest is not None
+    path = os.path.join(file_directory(loc.directory, loc.manifest, rec), rec.name)
+    ordered = sorted(segments, key=lambda g: g.begin)
     # The whole file is read, header included, so the checksum covers every byte.
     head_len = rec.data_offset if rec.data_offset is not None else rec.nbytes
     head = torch.empty(head_len, dtype=torch.uint8)
-    segments = [(0, head)]
+    parts = [(0, head)]
     pos = head_len
-    for t in ordered:
-        if t.begin != pos:
-            raise CheckpointCorruptError(f"{path}: bytes {pos}..{t.begin} belong to no tensor")
-        dest = _allocate(
-            t.shape, t.dtype, t.begin, loc.dio.direct and t.nbytes >= pool.buffer_bytes, prefault
-        )
-        out[t.name] = dest
-        segments.append((t.begin, dest.reshape(-1).view(torch.uint8)))
-        pos = t.end
+    for g in ordered:
+        if g.begin != pos:
+            raise CheckpointCorruptError(f"{path}: bytes {pos}..{g.begin} belong to no tensor")
+        parts.append((g.begin, g.dest))
+        pos = g.end
     if pos != rec.nbytes:
         raise CheckpointCorruptError(f"{path}: {rec.nbytes - pos} bytes after the last tensor")
     prefault.start()
     # Read in groups of about _HASH_GROUP bytes, a few groups in flight, and checksum each
     # group in file order (in a thread) as soon as it is in: the checksum overlaps the reads.
     hasher = new_hasher()
-    groups = _groups(segments, _HASH_GROUP)
+    groups = _groups(parts, _HASH_GROUP)
     ahead = asyncio.Semaphore(_GROUPS_AHEAD)
 
     async def read_group(group: list[tuple[int, torch.Tensor]]) -> None:
@@ -467,9 +534,91 @@ async def _read_manifest_file(
     actual = str(hasher.hexdigest())
     if actual != rec.checksum:
         raise CheckpointCorruptError(f"{path}: checksum mismatch (stored {rec.checksum}, computed {actual})")
-    if rec.data_offset is None:  # the pickle file
-        out[""] = head
+    return head
+
+
+def _needed(manifest: Manifest, state: RankState) -> set[str]:
+    """The stored (whole or sliced) tensors a rank's skeleton reaches."""
+    out: set[str] = set()
+
+    def resolve(name: str, depth: int = 0) -> None:
+        if depth > 64:
+            raise CheckpointCorruptError(f"manifest: alias chain through {name!r} does not end")
+        if name in state.views:
+            out.add(state.views[name].base)
+        elif name in state.aliases:
+            resolve(state.aliases[name], depth + 1)
+        elif name in manifest.tensors or name in manifest.sliced:
+            out.add(name)
+        else:
+            raise CheckpointCorruptError(f"manifest skeleton refers to unknown tensor {name!r}")
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, dict):
+            if len(node) == 1 and next(iter(node)) in ("__tensor__", "__ndarray__", "__npscalar__"):
+                resolve(str(next(iter(node.values()))))
+                return
+            for v in node.values():
+                walk(v)
+
+    walk(state.skeleton)
     return out
+
+
+async def _load_manifest(
+    be: IOBackend, loc: _Located, pool: StagingPool, prefault: _Prefaulter, rank: int, allow_pickle: bool
+) -> Any:
+    manifest = loc.manifest
+    assert manifest is not None
+    state = manifest.rank_state(rank)
+    needed = _needed(manifest, state) if manifest.version >= 2 else set(manifest.tensors)
+    # Every file that holds a byte of a needed tensor is read whole (its checksum covers
+    # all of it); files that hold only other ranks' tensors are not read at all.
+    wanted_files = {t.file for t in manifest.tensors.values() if t.name in needed}
+    wanted_files |= {p.file for sl in manifest.sliced.values() if sl.name in needed for p in sl.slices}
+    if manifest.version < 2:
+        wanted_files = set(manifest.files)
+    segments: dict[str, list[_Segment]] = {name: [] for name in manifest.files}
+    stored: dict[str, torch.Tensor] = {}
+    for t in sorted(manifest.tensors.values(), key=lambda t: (t.file, t.begin)):
+        if t.file not in wanted_files:
+            continue
+        dest = _allocate(
+            t.shape, t.dtype, t.begin, loc.dio.direct and t.nbytes >= pool.buffer_bytes, prefault
+        )
+        stored[t.name] = dest
+        segments[t.file].append(_Segment(t.begin, t.end, dest.reshape(-1).view(torch.uint8)))
+    for sl in manifest.sliced.values():
+        if not any(piece.file in wanted_files for piece in sl.slices):
+            continue
+        first = sl.slices[0]
+        whole = _allocate(
+            sl.shape, sl.dtype, first.begin, loc.dio.direct and sl.nbytes >= pool.buffer_bytes, prefault
+        )
+        stored[sl.name] = whole
+        rows = whole.reshape(sl.shape[0], -1)
+        for piece in sl.slices:
+            if piece.file in wanted_files:
+                dest = rows[piece.row_start : piece.row_end].reshape(-1).view(torch.uint8)
+                segments[piece.file].append(_Segment(piece.begin, piece.end, dest))
+    wanted_files.discard(manifest.pickle_file or "")
+    reads = [
+        _read_manifest_file(be, loc, pool, prefault, manifest.files[name], segments[name])
+        for name in manifest.files
+        if name in wanted_files
+    ]
+    if manifest.pickle_file is not None and allow_pickle:
+        reads.append(_read_manifest_file(be, loc, pool, prefault, manifest.files[manifest.pickle_file], []))
+    heads = await asyncio.gather(*reads)
+    pickled = None
+    if manifest.pickle_file is not None and allow_pickle:
+        pickled = pickle.loads(heads[-1].numpy().tobytes())
+        if not isinstance(pickled, list):
+            raise CheckpointCorruptError(f"{loc.directory}: the pickle file does not hold a list")
+    return _rebuild(state, {k: v for k, v in stored.items() if k in needed}, pickled)
 
 
 async def _read_header(be: IOBackend, path: str, size: int) -> FileLayout:
@@ -503,11 +652,24 @@ async def _read_safetensors(
     return out
 
 
-def _rebuild(manifest: Manifest, stored: dict[str, torch.Tensor], pickled: list[object] | None) -> Any:
+def _rank_to_load(manifest: Manifest, rank: int | None) -> int:
+    if rank is not None:
+        if not 0 <= rank < manifest.world_size:
+            raise ValueError(f"rank={rank}, but the checkpoint was saved by {manifest.world_size} ranks")
+        return rank
+    dist = torch.distributed
+    if manifest.world_size > 1 and dist.is_available() and dist.is_initialized():
+        mine = dist.get_rank()
+        if mine < manifest.world_size:
+            return mine
+    return 0
+
+
+def _rebuild(state: RankState, stored: dict[str, torch.Tensor], pickled: list[object] | None) -> Any:
     tensors = dict(stored)
-    for name, spec in manifest.views.items():
+    for name, spec in state.views.items():
         tensors[name] = build_view(stored[spec.base], spec)
-    for name, target in manifest.aliases.items():
+    for name, target in state.aliases.items():
         tensors[name] = tensors[target]
 
     def tensor(name: str) -> torch.Tensor:
@@ -527,7 +689,7 @@ def _rebuild(manifest: Manifest, stored: dict[str, torch.Tensor], pickled: list[
         except IndexError:
             raise CheckpointCorruptError(f"manifest skeleton refers to unknown pickled object {i}") from None
 
-    return decode(manifest.skeleton, tensor, unpickled)
+    return decode(state.skeleton, tensor, unpickled)
 
 
 def _to_device(obj: Any, device: torch.device, memo: dict[int, torch.Tensor]) -> Any:
@@ -553,6 +715,7 @@ async def load(
     strict: bool = True,
     backend: str = "auto",
     allow_pickle: bool = False,
+    rank: int | None = None,
 ) -> Any:
     """Load a checkpoint: the saved object rebuilt, or loaded in place into ``into``.
 
@@ -564,6 +727,12 @@ async def load(
     into it and ``into`` is returned; with ``strict``, missing or unexpected keys raise
     [`StateMismatchError`][aiopersist.StateMismatchError] before anything is changed.
     Pickled objects are only unpickled with ``allow_pickle=True``.
+
+    A checkpoint saved by several ranks loads in one process or on any number of ranks:
+    shared and sharded tensors come back whole; each rank's own tensors (saved with
+    ``replicated=False``) come back for ``rank``, which defaults to this process's rank
+    in ``torch.distributed`` (0 without it, and 0 for ranks the checkpoint does not have).
+    Only the files that hold what that rank needs are read.
     """
     loc = await asyncio.to_thread(_locate, path)
     pool = StagingPool()
@@ -571,25 +740,9 @@ async def load(
     try:
         async with open_backend(backend) as be:
             if loc.manifest is not None:
-                manifest = loc.manifest
-                by_file: dict[str, list[TensorRecord]] = {name: [] for name in manifest.files}
-                for t in manifest.tensors.values():
-                    by_file[t.file].append(t)
-                results = await asyncio.gather(
-                    *(
-                        _read_manifest_file(be, loc, pool, prefault, rec, by_file[name])
-                        for name, rec in manifest.files.items()
-                        if name != manifest.pickle_file or allow_pickle
-                    )
+                state = await _load_manifest(
+                    be, loc, pool, prefault, _rank_to_load(loc.manifest, rank), allow_pickle
                 )
-                stored = {k: v for r in results for k, v in r.items() if k}
-                pickled = None
-                if manifest.pickle_file is not None and allow_pickle:
-                    blob = next(r[""] for r in results if "" in r)
-                    pickled = pickle.loads(blob.numpy().tobytes())
-                    if not isinstance(pickled, list):
-                        raise CheckpointCorruptError(f"{loc.directory}: the pickle file does not hold a list")
-                state = _rebuild(manifest, stored, pickled)
             else:
                 parts = await asyncio.gather(
                     *(_read_safetensors(be, f, loc, pool, prefault) for f in loc.files)
@@ -686,7 +839,7 @@ async def verify(path: str | os.PathLike[str], *, backend: str = "auto") -> Veri
                 return VerifyReport(where, loc.kind, loc.files, checked)
             names = []
             for name, rec in loc.manifest.files.items():
-                full = os.path.join(loc.directory, name)
+                full = os.path.join(file_directory(loc.directory, loc.manifest, rec), name)
                 actual = await _hash_file(be, full, loc.dio, pool, rec.nbytes)
                 if actual != rec.checksum:
                     raise CheckpointCorruptError(

@@ -101,7 +101,8 @@ def _exchange(tmp: str, final: str, discard: Callable[[str], None]) -> bool:
     return True
 
 
-def _publish(tmp: str, final: str, overwrite: bool, discard: Callable[[str], None] = remove_path) -> None:
+def publish(tmp: str, final: str, overwrite: bool, discard: Callable[[str], None] = remove_path) -> None:
+    """Make the complete directory ``tmp`` the checkpoint ``final`` (see the module docstring)."""
     parent = os.path.dirname(final)
     fsync_directory(tmp)
     if overwrite and os.path.lexists(final):
@@ -194,7 +195,7 @@ async def atomic_directory(
         # Publication runs to its end even if we are cancelled meanwhile: the worker
         # thread would go on renaming while the cleanup below deleted its files.
         await wait_uncancellable(
-            asyncio.ensure_future(asyncio.to_thread(_publish, pending.tmp, pending.final, overwrite, discard))
+            asyncio.ensure_future(asyncio.to_thread(publish, pending.tmp, pending.final, overwrite, discard))
         )
     except BaseException:
         shutil.rmtree(pending.tmp, ignore_errors=True)

@@ -11,6 +11,7 @@ Every error has one root, so ``except aiopersist.AiopersistError`` catches them 
     ├── CheckpointCorruptError (ValueError)   what is on disk is not a valid checkpoint
     ├── UnsupportedStateError (TypeError)     the object to save holds something unstorable
     ├── StateMismatchError (KeyError)         load(into=...): the saved state does not fit
+    ├── RankFailedError                       a distributed save failed on another rank
     └── SnapshotBudgetError (MemoryError)     Checkpointer(mode="snapshot"): over the budget
                                               (defined in _checkpointer)
 
@@ -93,6 +94,12 @@ class StateMismatchError(AiopersistError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the message quoted
         return self.message
+
+
+class RankFailedError(AiopersistError):
+    """A distributed save failed on another rank (or a rank stopped answering): this rank
+    raises it so that the save fails everywhere and nothing is committed. The message
+    names the rank and its error."""
 
 
 _DISK_FULL = {_errno.ENOSPC, _errno.EDQUOT}

@@ -97,6 +97,12 @@ class Flattened:
     pickled: list[object] = field(default_factory=list)
     model_only: bool = False
     """The object was a module or a flat mapping of names to tensors: a model's weights."""
+    replicated: set[str] = field(default_factory=set)
+    """Names of tensors known to be the same on every rank: inside a
+    ``DistributedDataParallel`` module, or DTensors with a ``Replicate`` placement."""
+    sharded: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    """Dim-0 shards (DTensors with a ``Shard(0)`` placement): name -> (the whole tensor's
+    shape, the first row this rank holds). ``source`` is the local shard."""
 
     @property
     def tensor_bytes(self) -> int:
@@ -123,6 +129,9 @@ class _Walker:
         self.names: set[str] = set()
         self.pickled: list[object] = []
         self.active: set[int] = set()
+        self.replicated: set[str] = set()
+        self.sharded: dict[str, tuple[tuple[int, ...], int]] = {}
+        self.in_ddp = 0
 
     def name_for(self, parts: list[str]) -> str:
         base = ".".join(parts) or "tensor"
@@ -134,6 +143,10 @@ class _Walker:
         return name
 
     def tensor(self, t: torch.Tensor, parts: list[str], where: str) -> str:
+        shard: tuple[tuple[int, ...], int] | None = None
+        replicated = self.in_ddp > 0
+        if _is_dtensor(t):
+            t, shard, replicated = _dtensor_local(t, where)
         if t.layout != torch.strided:
             raise UnsupportedStateError(f"{where}: {t.layout} tensors are not supported")
         if t.device.type not in ("cpu", "cuda"):
@@ -144,6 +157,10 @@ class _Walker:
             t = t.resolve_conj().resolve_neg()
         name = self.name_for(parts)
         self.tensors.append((name, t.detach()))
+        if shard is not None:
+            self.sharded[name] = shard
+        elif replicated:
+            self.replicated.add(name)
         return name
 
     def encode(self, obj: object, parts: list[str], where: str) -> Any:
@@ -181,7 +198,12 @@ class _Walker:
 
     def container(self, obj: Any, parts: list[str], where: str) -> Any:
         if isinstance(obj, torch.nn.Module):
-            return {"__module__": _qualname(obj), "state": self.mapping(obj.state_dict(), parts, where)}
+            ddp = isinstance(obj, torch.nn.parallel.DistributedDataParallel)
+            self.in_ddp += ddp
+            try:
+                return {"__module__": _qualname(obj), "state": self.mapping(obj.state_dict(), parts, where)}
+            finally:
+                self.in_ddp -= ddp
         if isinstance(obj, Mapping):
             return self.mapping(obj, parts, where)
         if isinstance(obj, list):
@@ -216,6 +238,43 @@ class _Walker:
             raise UnsupportedStateError(f"{where}: {why}; pass allow_pickle=True to store it with pickle")
         self.pickled.append(obj)
         return {"__pickle__": len(self.pickled) - 1}
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _dtensor_local(
+    t: torch.Tensor, where: str
+) -> tuple[torch.Tensor, tuple[tuple[int, ...], int] | None, bool]:
+    """A DTensor's local tensor, its dim-0 shard (whole shape, first row) if sharded, and
+    whether it is replicated."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    assert isinstance(t, DTensor)
+    mesh, placements = t.device_mesh, t.placements
+    local = t.to_local()
+    if mesh.ndim != 1:
+        raise UnsupportedStateError(
+            f"{where}: a DTensor on a {mesh.ndim}-D device mesh; only 1-D meshes are supported "
+            "(Shard(0) or Replicate)"
+        )
+    placement = placements[0]
+    if placement.is_replicate():
+        return local, None, True
+    if placement.is_shard(dim=0):
+        _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+        return local, (tuple(int(n) for n in t.shape), int(offset[0]) if offset else 0), False
+    raise UnsupportedStateError(
+        f"{where}: a DTensor placed as {placement}; only Shard(0) and Replicate are supported"
+    )
 
 
 def _view_key(t: torch.Tensor) -> tuple[object, ...]:
@@ -282,7 +341,13 @@ def flatten(obj: object, *, allow_pickle: bool = False) -> Flattened:
     model_only = isinstance(obj, torch.nn.Module) or (
         isinstance(obj, Mapping) and all(isinstance(v, torch.Tensor) for v in obj.values())
     )
-    flat = Flattened(skeleton, pickled=walker.pickled, model_only=model_only)
+    flat = Flattened(
+        skeleton,
+        pickled=walker.pickled,
+        model_only=model_only,
+        replicated=walker.replicated,
+        sharded=walker.sharded,
+    )
     _dedupe(walker, flat, materialize_views=model_only)
     return flat
 

@@ -61,3 +61,8 @@ def direct_io_enabled() -> bool:
 def snapshot_bytes() -> int:
     """Most host memory ``Checkpointer(mode="snapshot")`` may copy a state into."""
     return _env_int("AIOPERSIST_SNAPSHOT_BYTES", 8 << 30)
+
+
+def dist_timeout() -> float:
+    """Seconds a distributed save waits for the other ranks at each exchange."""
+    return float(_env_int("AIOPERSIST_DIST_TIMEOUT", 600))

@@ -23,7 +23,9 @@ from ._flatten import ViewSpec, dtype_of
 from ._format import dtype_name
 
 FORMAT = "aiopersist"
-VERSION = 1
+VERSION = 2
+"""The newest format this version reads. A save that uses nothing of version 2 (several
+directories, several ranks, sliced tensors) writes version 1, which older readers take."""
 MANIFEST_NAME = "aiopersist.json"
 CHECKSUM = "xxh3_64"
 MAX_MANIFEST_BYTES = 1 << 30
@@ -41,6 +43,8 @@ class FileRecord:
     checksum: str
     data_offset: int | None = None
     """Start of the safetensors data section; ``None`` for the pickle file."""
+    directory: int = 0
+    """Index into `Manifest.directories` of the directory that holds the file."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,42 @@ class TensorRecord:
 
 
 @dataclass(frozen=True)
+class SliceRecord:
+    """Rows ``[row_start, row_end)`` of a sliced tensor, stored at ``[begin, end)`` of ``file``."""
+
+    file: str
+    begin: int
+    end: int
+    row_start: int
+    row_end: int
+
+
+@dataclass(frozen=True)
+class SlicedRecord:
+    """A tensor stored as row slices, possibly in several files (split for balance, or
+    dim-0 shards written by their owners)."""
+
+    name: str
+    dtype: Any  # torch.dtype
+    shape: tuple[int, ...]
+    slices: tuple[SliceRecord, ...]
+    """Ordered by ``row_start``; they cover every row exactly once."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.end - s.begin for s in self.slices)
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What one rank saved beyond the shared tensors: its skeleton, aliases and views."""
+
+    skeleton: Any
+    aliases: dict[str, str] = field(default_factory=dict)
+    views: dict[str, ViewSpec] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Manifest:
     files: dict[str, FileRecord]
     tensors: dict[str, TensorRecord]
@@ -70,10 +110,54 @@ class Manifest:
     layout: str = "state"
     """``hf-model`` (a model's weights in the Hugging Face layout) or ``state``."""
     world_size: int = 1
-    version: int = VERSION
+    version: int = 1
     created: str = ""
+    sliced: dict[str, SlicedRecord] = field(default_factory=dict)
+    directories: tuple[str, ...] = (".",)
+    """Where the files are, relative to the checkpoint directory; ``"."`` is the checkpoint
+    directory itself (the primary), others are parts on other disks."""
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    """Ranks other than 0 whose skeleton, aliases or views differ from rank 0's (the
+    top-level ones)."""
+
+    def rank_state(self, rank: int) -> RankState:
+        """The skeleton, aliases and views rank ``rank`` saved."""
+        if rank < 0 or rank >= self.world_size:
+            raise ValueError(f"rank {rank} is outside the {self.world_size} ranks that saved this checkpoint")
+        return self.ranks.get(rank) or RankState(self.skeleton, self.aliases, self.views)
 
     def to_json(self) -> dict[str, Any]:
+        doc = self._v1_json()
+        if self.version >= 2:
+            doc["directories"] = list(self.directories)
+            for name, f in self.files.items():
+                doc["files"][name]["dir"] = f.directory
+            doc["sliced"] = {
+                t.name: {
+                    "dtype": dtype_name(t.dtype),
+                    "shape": list(t.shape),
+                    "slices": [
+                        {
+                            "file": sl.file,
+                            "offsets": [sl.begin, sl.end],
+                            "rows": [sl.row_start, sl.row_end],
+                        }
+                        for sl in t.slices
+                    ],
+                }
+                for t in self.sliced.values()
+            }
+            doc["ranks"] = {
+                str(r): {
+                    "skeleton": st.skeleton,
+                    "aliases": dict(st.aliases),
+                    "views": _views_json(st.views),
+                }
+                for r, st in sorted(self.ranks.items())
+            }
+        return doc
+
+    def _v1_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
             "version": self.version,
@@ -95,20 +179,24 @@ class Manifest:
                 for t in self.tensors.values()
             },
             "aliases": dict(self.aliases),
-            "views": {
-                name: {
-                    "base": v.base,
-                    "offset": v.offset,
-                    "dtype": dtype_name(v.dtype),
-                    "shape": list(v.shape),
-                    "stride": list(v.stride),
-                }
-                for name, v in self.views.items()
-            },
+            "views": _views_json(self.views),
             "pickle": self.pickle_file,
             "skeleton": self.skeleton,
             "metadata": dict(self.metadata),
         }
+
+
+def _views_json(views: Mapping[str, ViewSpec]) -> dict[str, Any]:
+    return {
+        name: {
+            "base": v.base,
+            "offset": v.offset,
+            "dtype": dtype_name(v.dtype),
+            "shape": list(v.shape),
+            "stride": list(v.stride),
+        }
+        for name, v in views.items()
+    }
 
 
 def _canonical(doc: Mapping[str, Any]) -> bytes:
@@ -185,16 +273,79 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         raise CheckpointCorruptError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from exc
 
 
+def _views(doc: Any, tensors: Mapping[str, Any], where: str) -> dict[str, ViewSpec]:
+    views: dict[str, ViewSpec] = {}
+    for name, spec in doc.items():
+        if spec["base"] not in tensors:
+            raise CheckpointCorruptError(f"{where}: view {name!r} is of unknown tensor {spec['base']!r}")
+        views[name] = ViewSpec(
+            spec["base"],
+            _int(spec["offset"], f"offset of view {name!r}", where),
+            dtype_of(spec["dtype"]),
+            _shape(spec["shape"], f"shape of view {name!r}", where),
+            _shape(spec["stride"], f"stride of view {name!r}", where),
+        )
+    return views
+
+
+def _aliases(doc: Any, known: Mapping[str, Any], views: Mapping[str, ViewSpec], where: str) -> dict[str, str]:
+    aliases = {str(k): str(v) for k, v in doc.items()}
+    for name, target in aliases.items():
+        if target not in known and target not in views:
+            raise CheckpointCorruptError(f"{where}: alias {name!r} points to unknown tensor {target!r}")
+    return aliases
+
+
+def _sliced(name: str, spec: Any, files: Mapping[str, FileRecord], where: str) -> SlicedRecord:
+    dtype = dtype_of(spec["dtype"])
+    shape = _shape(spec["shape"], f"shape of {name!r}", where)
+    if not shape:
+        raise CheckpointCorruptError(f"{where}: sliced tensor {name!r} has no rows")
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    slices = []
+    pos = 0
+    for piece in spec["slices"]:
+        file = piece["file"]
+        if file not in files:
+            raise CheckpointCorruptError(f"{where}: a slice of {name!r} is in {file!r}, which is not listed")
+        begin, end = (_int(v, f"offsets of a slice of {name!r}", where) for v in piece["offsets"])
+        r0, r1 = (_int(v, f"rows of a slice of {name!r}", where) for v in piece["rows"])
+        if r0 != pos or r1 <= r0 or end - begin != (r1 - r0) * row_bytes or end > files[file].nbytes:
+            raise CheckpointCorruptError(f"{where}: slice rows {[r0, r1]} of {name!r} do not fit")
+        slices.append(SliceRecord(file, begin, end, r0, r1))
+        pos = r1
+    if pos != shape[0]:
+        raise CheckpointCorruptError(f"{where}: the slices of {name!r} cover {pos} of its {shape[0]} rows")
+    return SlicedRecord(name, dtype, shape, tuple(slices))
+
+
+def _directory(value: object, where: str) -> str:
+    if not isinstance(value, str) or not value or "\0" in value or os.path.isabs(value):
+        raise CheckpointCorruptError(f"{where}: directory {value!r} must be a relative path")
+    return value
+
+
 def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
+    directories = (
+        tuple(_directory(d, where) for d in doc.get("directories", ["."])) if version >= 2 else (".",)
+    )
+    if not directories or directories[0] != ".":
+        raise CheckpointCorruptError(f"{where}: the first directory must be the checkpoint itself ('.')")
     files: dict[str, FileRecord] = {}
     for name, spec in doc["files"].items():
         safe_file_name(name, where)
         offset = spec.get("data_offset")
+        directory = _int(spec.get("dir", 0), f"directory of {name}", where)
+        if directory >= len(directories):
+            raise CheckpointCorruptError(
+                f"{where}: file {name!r} is in directory {directory}, which is not listed"
+            )
         files[name] = FileRecord(
             name,
             _int(spec["bytes"], f"size of {name}", where),
             str(spec["checksum"]),
             None if offset is None else _int(offset, f"data offset of {name}", where),
+            directory,
         )
     tensors: dict[str, TensorRecord] = {}
     for name, spec in doc["tensors"].items():
@@ -211,21 +362,21 @@ def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
                 f"{where}: tensor {name!r} has offsets {[begin, end]} that do not fit"
             )
         tensors[name] = TensorRecord(name, file, begin, end, dtype, shape)
-    views: dict[str, ViewSpec] = {}
-    for name, spec in doc["views"].items():
-        if spec["base"] not in tensors:
-            raise CheckpointCorruptError(f"{where}: view {name!r} is of unknown tensor {spec['base']!r}")
-        views[name] = ViewSpec(
-            spec["base"],
-            _int(spec["offset"], f"offset of view {name!r}", where),
-            dtype_of(spec["dtype"]),
-            _shape(spec["shape"], f"shape of view {name!r}", where),
-            _shape(spec["stride"], f"stride of view {name!r}", where),
-        )
-    aliases = {str(k): str(v) for k, v in doc["aliases"].items()}
-    for name, target in aliases.items():
-        if target not in tensors and target not in views:
-            raise CheckpointCorruptError(f"{where}: alias {name!r} points to unknown tensor {target!r}")
+    sliced = {name: _sliced(name, spec, files, where) for name, spec in doc.get("sliced", {}).items()}
+    clash = set(sliced) & set(tensors)
+    if clash:
+        raise CheckpointCorruptError(f"{where}: {sorted(clash)[0]!r} is listed both whole and sliced")
+    known = {**tensors, **sliced}
+    views = _views(doc["views"], known, where)
+    aliases = _aliases(doc["aliases"], known, views, where)
+    world_size = _int(doc.get("world_size", 1), "world_size", where)
+    ranks: dict[int, RankState] = {}
+    for key, spec in doc.get("ranks", {}).items():
+        rank = int(key)
+        if not 0 < rank < world_size:
+            raise CheckpointCorruptError(f"{where}: rank {key!r} is outside the world of {world_size}")
+        rviews = _views(spec["views"], known, where)
+        ranks[rank] = RankState(spec["skeleton"], _aliases(spec["aliases"], known, rviews, where), rviews)
     pickle_file = doc.get("pickle")
     if pickle_file is not None:
         safe_file_name(pickle_file, where)
@@ -243,7 +394,10 @@ def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
         pickle_file=pickle_file,
         metadata=metadata,
         layout=str(doc.get("layout", "state")),
-        world_size=_int(doc.get("world_size", 1), "world_size", where),
+        world_size=world_size,
         version=version,
         created=str(doc.get("created", "")),
+        sliced=sliced,
+        directories=directories,
+        ranks=ranks,
     )

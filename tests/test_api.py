@@ -150,10 +150,10 @@ async def test_killed_save_leaves_no_final_directory(tmp_path: Path) -> None:
     script = f"""
 import asyncio, os, sys, torch, aiopersist
 from aiopersist import _commit
-real = _commit._publish
+real = _commit.publish
 def publish_then_die(tmp, final, overwrite, discard=None):
     os.kill(os.getpid(), 9)  # die after every byte is written, right before the rename
-_commit._publish = publish_then_die
+_commit.publish = publish_then_die
 asyncio.run(aiopersist.save({{"a": torch.randn(1 << 20)}}, {str(tmp_path / "new")!r}))
 """
     proc = await asyncio.to_thread(

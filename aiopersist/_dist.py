@@ -1,0 +1,116 @@
+"""Coordination of a save between ranks, through ``torch.distributed``.
+
+Only metadata travels between ranks (``all_gather_object`` on a gloo group of the
+checkpoint's own, made once per process group): the tensors never leave their rank. The
+collectives run in worker threads, so the event loop goes on writing meanwhile, and they
+have a timeout (`AIOPERSIST_DIST_TIMEOUT`, seconds), so a rank that died cannot hang the
+others forever.
+
+Every phase of a distributed save ends with one exchange in which each rank says whether
+it got through. If any rank failed, every rank raises: the failed rank its own error, the
+others [`RankFailedError`][aiopersist.RankFailedError] naming the rank and its error. So a
+save either commits on every rank or on none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _knobs
+from ._exceptions import RankFailedError
+
+_groups: dict[object, Any] = {}
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    rank: int
+    value: Any = None
+    error: str | None = None
+    """``"TypeName: message"`` of the exception this rank raised, or ``None``."""
+
+
+class Coordinator:
+    """The ranks of one save: ``rank`` of ``world_size``, exchanging metadata over a
+    gloo group."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, group: Any) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.group = group
+        self._lock = asyncio.Lock()
+
+    async def exchange(self, value: Any, error: BaseException | None = None) -> list[Any]:
+        """Every rank's ``value``, by rank. If any rank reports an error (``error`` here),
+        every rank raises: this rank its own ``error``, the others `RankFailedError`."""
+        text = None if error is None else f"{type(error).__name__}: {error}"
+        outcome = _Outcome(self.rank, None if error is not None else value, text)
+        async with self._lock:  # one collective at a time, in the same order on every rank
+            gathered = await asyncio.to_thread(self._all_gather, outcome)
+        if error is not None:
+            raise error
+        failed = [o for o in gathered if o.error is not None]
+        if failed:
+            first = failed[0]
+            raise RankFailedError(
+                f"the save failed on rank {first.rank}: {first.error}"
+                + (f" (and on {len(failed) - 1} more ranks)" if len(failed) > 1 else "")
+            )
+        return [o.value for o in gathered]
+
+    def _all_gather(self, outcome: _Outcome) -> list[_Outcome]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, outcome, group=self.group)
+        except RuntimeError as exc:  # gloo's timeouts and lost peers
+            raise RankFailedError(
+                f"rank {self.rank}: exchanging checkpoint metadata with the other ranks failed "
+                f"(a rank died or did not call save within {_knobs.dist_timeout():.0f} s): {exc}"
+            ) from exc
+        return out
+
+
+def coordinator(group: Any = None) -> Coordinator | None:
+    """The coordinator for ``group`` (the default process group when ``None``), or ``None``
+    when ``torch.distributed`` is not initialised or the group has one rank.
+
+    Must be called by every rank of the group, in the same order, from the thread that
+    issues the training's collectives: the first call makes the checkpoint's gloo group,
+    which is itself a collective.
+    """
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        if group is not None:
+            raise ValueError("group= given, but torch.distributed is not initialised")
+        return None
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world <= 1:
+        return None
+    key = id(group) if group is not None else None
+    gloo = _groups.get(key)
+    if gloo is None:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        timeout = datetime.timedelta(seconds=_knobs.dist_timeout())
+        # A group of the checkpoint's own: gloo whatever the training uses (NCCL on GPUs),
+        # with the checkpoint's timeout, and never in the way of the training's collectives.
+        try:
+            gloo = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        except RuntimeError as exc:  # the store's timeout: a rank never came
+            raise RankFailedError(
+                f"making the checkpoint's gloo group failed (a rank died or did not call save within "
+                f"{timeout.total_seconds():.0f} s): {exc}"
+            ) from exc
+        _groups[key] = gloo
+    rank = dist.get_rank(group)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return Coordinator(rank, world, local_rank, gloo)

@@ -1,0 +1,593 @@
+"""Saves spread over several ranks and several directories (SSDs).
+
+The primary directory (the first ``path``) is the checkpoint: it holds the manifest and
+its own share of the files. Every further directory gets a part: a fresh subdirectory
+``part-<token>`` of the path given for that disk. Parts never take a name that another
+save could be using, so the rename of the primary is the one commit point of the whole
+save: before it, nothing under the checkpoint's name changed; after it, every part is
+complete and durable. A crash in between leaves unreferenced parts, which nothing reads.
+
+Steps, on every rank (one process with several directories is the one-rank case):
+
+1. flatten the state and describe it (names, dtypes, shapes, which tensors are shared by
+   every rank, which are this rank's own, which are dim-0 shards of a bigger tensor);
+   rank 0 creates the primary's temporary directory; exchange the descriptions;
+2. plan (pure, the same on every rank): who writes which bytes to which directory
+   (`_partition`), and which files that makes;
+3. write this rank's files, each fsynced; exchange what was written;
+4. rank 0 fsyncs the part directories, writes the manifest and renames the primary into
+   place; exchange the result.
+
+An error on any rank at any step makes every rank raise, and rank 0 removes the
+temporary directory and the parts: no checkpoint appears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._api import SaveInfo, write_file
+from ._backends import IOBackend, wait_uncancellable
+from ._commit import TMP_MARKER, fsync_directory, publish, remove_path
+from ._direct import probe_directory
+from ._dist import Coordinator
+from ._exceptions import CheckpointExistsError, StateMismatchError, UnsupportedStateError, from_os_error
+from ._flatten import Flattened, ViewSpec
+from ._format import dtype_name, layout_file
+from ._manifest import (
+    MANIFEST_NAME,
+    FileRecord,
+    Manifest,
+    RankState,
+    SlicedRecord,
+    SliceRecord,
+    TensorRecord,
+    dump_manifest,
+    parse_manifest,
+)
+from ._partition import Entry, Piece, partition, writers_for
+from ._staging import StagingPool
+
+Replicated = bool | Callable[[str], bool] | None
+PART_PREFIX = "part-"
+
+
+# -- describing and planning (pure) ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """One stored tensor, as its rank describes it to the others."""
+
+    name: str
+    """Its name in the checkpoint: rank-local tensors carry ``@rank``; shards carry the whole
+    tensor's name."""
+    source: str
+    """Its name in this rank's flattened state."""
+    dtype: str
+    shape: tuple[int, ...]
+    """The local shape (a shard's own rows)."""
+    align: int
+    kind: str
+    """``replicated``, ``local`` or ``shard``."""
+    whole_shape: tuple[int, ...] = ()
+    """For a shard: the whole tensor's shape."""
+    row_start: int = 0
+    """For a shard: its first row in the whole tensor."""
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty(0, dtype=_dtype(self.dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class RankDesc:
+    rank: int
+    local_rank: int
+    tensors: tuple[TensorDesc, ...]
+    state: RankState
+    token: str
+    """Rank 0's names the save (its temporary directory and its parts)."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    from ._format import dtype_from_name
+
+    return dtype_from_name(name)
+
+
+_REFS = ("__tensor__", "__ndarray__", "__npscalar__")
+
+
+def _rename_refs(node: Any, names: Mapping[str, str]) -> Any:
+    """The skeleton with every tensor reference in ``names`` renamed."""
+    if isinstance(node, list):
+        return [_rename_refs(v, names) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if len(node) == 1 and next(iter(node)) in _REFS:
+        key, value = next(iter(node.items()))
+        return {key: names.get(value, value)}
+    return {k: _rename_refs(v, names) for k, v in node.items()}
+
+
+def describe(flat: Flattened, rank: int, world_size: int, replicated: Replicated) -> tuple[TensorDesc, ...]:
+    """Classify this rank's stored tensors: shared by all ranks, this rank's own, or a
+    dim-0 shard of a whole tensor."""
+    out = []
+    for s in flat.stored:
+        shape = tuple(int(d) for d in s.source.shape)
+        dtype = dtype_name(s.source.dtype)
+        if s.name in flat.sharded:
+            whole, start = flat.sharded[s.name]
+            out.append(TensorDesc(s.name, s.name, dtype, shape, s.alignment, "shard", whole, start))
+            continue
+        if s.name in flat.replicated or world_size == 1:
+            shared = True
+        elif callable(replicated):
+            shared = bool(replicated(s.name))
+        else:
+            shared = bool(replicated)
+        name = s.name if shared else f"{s.name}@{rank}"
+        out.append(TensorDesc(name, s.name, dtype, shape, s.alignment, "replicated" if shared else "local"))
+    return tuple(out)
+
+
+def rank_state(flat: Flattened, tensors: Sequence[TensorDesc]) -> RankState:
+    """This rank's skeleton, aliases and views, referring to checkpoint names."""
+    names = {t.source: t.name for t in tensors if t.source != t.name}
+    aliases = {k: names.get(v, v) for k, v in flat.aliases.items()}
+    views = {
+        k: ViewSpec(names.get(v.base, v.base), v.offset, v.dtype, v.shape, v.stride)
+        for k, v in flat.views.items()
+    }
+    return RankState(_rename_refs(flat.skeleton, names), aliases, views)
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """Bytes of one tensor in one file: rows ``rows`` of the rank's source tensor."""
+
+    source: str
+    header: str
+    rows: tuple[int, int] | None
+    """Rows of the source tensor (``None``: all of it)."""
+    target: str
+    """The checkpoint tensor it belongs to."""
+    target_rows: tuple[int, int] | None
+    """Rows of the checkpoint tensor (``None``: the whole tensor, stored in one piece)."""
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    name: str
+    rank: int
+    directory: int
+    parts: tuple[PartPlan, ...]
+    dtypes: tuple[tuple[str, Any, tuple[int, ...]], ...]
+    """(header name, dtype, shape) in file order, for the header."""
+
+
+@dataclass(frozen=True)
+class SpreadPlan:
+    files: tuple[FilePlan, ...]
+    whole: dict[str, tuple[str, tuple[int, ...]]]
+    """Checkpoint tensors stored in one piece: name -> (dtype, shape)."""
+    sliced: dict[str, tuple[str, tuple[int, ...]]]
+    """Checkpoint tensors stored as row slices: name -> (dtype, whole shape)."""
+    imbalance: float
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    return shape[0] if shape else 1
+
+
+def plan_spread(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int) -> SpreadPlan:
+    """Who writes what where; the same on every rank. Raises `StateMismatchError` when
+    the ranks disagree on the shared tensors."""
+    ranks = sorted(descs, key=lambda d: d.rank)
+    shared0 = {t.name: (t.dtype, t.shape) for t in ranks[0].tensors if t.kind == "replicated"}
+    for d in ranks[1:]:
+        mine = {t.name: (t.dtype, t.shape) for t in d.tensors if t.kind == "replicated"}
+        if mine != shared0:
+            diff = sorted(set(mine.items()) ^ set(shared0.items()))
+            raise StateMismatchError(
+                f"the replicated tensors differ between rank 0 and rank {d.rank}: "
+                + ", ".join(f"{n} {dt} {list(sh)}" for n, (dt, sh) in diff[:5])
+                + (" ..." if len(diff) > 5 else "")
+                + " (pass replicated=False, or a predicate, for state that is not the same on every rank)"
+            )
+    entries: list[Entry] = []
+    # entry name -> (owner rank or None, desc); shards and local tensors are per rank.
+    owner_of: dict[str, tuple[int | None, TensorDesc]] = {}
+    shards: dict[str, list[tuple[int, TensorDesc]]] = {}
+    for d in ranks:
+        for t in d.tensors:
+            rows = _rows(t.shape)
+            if t.kind == "replicated":
+                if d.rank != ranks[0].rank:
+                    continue
+                key, owner = t.name, None
+            elif t.kind == "local":
+                key, owner = t.name, d.rank
+            else:
+                key, owner = f"{t.name}\0{d.rank}", d.rank
+                shards.setdefault(t.name, []).append((d.rank, t))
+            owner_of[key] = (owner, t)
+            entries.append(Entry(key, t.nbytes, max(rows, 1) if t.nbytes else 1, owner))
+    for name, owned in shards.items():
+        dtypes = {t.dtype for _, t in owned}
+        wholes = {t.whole_shape for _, t in owned}
+        if len(dtypes) != 1 or len(wholes) != 1:
+            raise StateMismatchError(f"the shards of {name!r} disagree on dtype or shape: {dtypes} {wholes}")
+        covered = sorted((t.row_start, t.row_start + _rows(t.shape)) for _, t in owned if _rows(t.shape))
+        pos = 0
+        for a, b in covered:
+            if a != pos:
+                raise StateMismatchError(
+                    f"the shards of {name!r} do not tile its rows (gap or overlap at {pos})"
+                )
+            pos = b
+        whole_rows = _rows(next(iter(wholes)))
+        if pos != whole_rows:
+            raise StateMismatchError(f"the shards of {name!r} cover {pos} of its {whole_rows} rows")
+    writers = writers_for([d.local_rank for d in ranks], num_dirs)
+    plan = partition(entries, writers)
+    whole: dict[str, tuple[str, tuple[int, ...]]] = {}
+    sliced: dict[str, tuple[str, tuple[int, ...]]] = {}
+    files: list[FilePlan] = []
+    for writer, pieces in zip(plan.writers, plan.pieces, strict=True):
+        parts: list[tuple[int, PartPlan, tuple[str, Any, tuple[int, ...]]]] = []
+        for p in pieces:
+            part, shape = _part(p, owner_of[p.name][1])
+            if part.target_rows is None:
+                whole[part.target] = (owner_of[p.name][1].dtype, shape)
+            else:
+                t = owner_of[p.name][1]
+                sliced[part.target] = (t.dtype, t.whole_shape if t.kind == "shard" else t.shape)
+            parts.append(
+                (owner_of[p.name][1].align, part, (part.header, _dtype(owner_of[p.name][1].dtype), shape))
+            )
+        # Largest alignment first (stable), as in single-file plans: loads can place every
+        # tensor for direct reads.
+        parts.sort(key=lambda x: -x[0])
+        groups: list[list[tuple[int, PartPlan, tuple[str, Any, tuple[int, ...]]]]] = [[]]
+        size = 0
+        for item in parts:
+            nbytes = _nbytes(item[2])
+            if groups[-1] and size + nbytes > max_shard_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(item)
+            size += nbytes
+        for i, group in enumerate(groups):
+            if not group and files and i == 0 and not pieces:
+                continue
+            if not group:
+                continue
+            suffix = f"-{i + 1:05d}" if len(groups) > 1 else ""
+            files.append(
+                FilePlan(
+                    f"state-rank{writer.rank:05d}-dir{writer.directory:02d}{suffix}.safetensors",
+                    writer.rank,
+                    writer.directory,
+                    tuple(x[1] for x in group),
+                    tuple(x[2] for x in group),
+                )
+            )
+    return SpreadPlan(tuple(files), whole, sliced, plan.imbalance)
+
+
+def _nbytes(spec: tuple[str, Any, tuple[int, ...]]) -> int:
+    n = spec[1].itemsize
+    for d in spec[2]:
+        n *= d
+    return int(n)
+
+
+def _part(p: Piece, t: TensorDesc) -> tuple[PartPlan, tuple[int, ...]]:
+    """The file part for piece ``p`` of tensor ``t``, and its shape."""
+    if t.kind == "shard":
+        g0, g1 = t.row_start + p.row_start, t.row_start + p.row_end
+        rows = None if p.whole else (p.row_start, p.row_end)
+        shape = (p.row_end - p.row_start, *t.shape[1:]) if t.shape else t.shape
+        return PartPlan(t.source, f"{t.name}[{g0}:{g1}]", rows, t.name, (g0, g1)), shape
+    if p.whole:
+        return PartPlan(t.source, t.name, None, t.name, None), t.shape
+    shape = (p.row_end - p.row_start, *t.shape[1:])
+    part = PartPlan(
+        t.source,
+        f"{t.name}[{p.row_start}:{p.row_end}]",
+        (p.row_start, p.row_end),
+        t.name,
+        (p.row_start, p.row_end),
+    )
+    return part, shape
+
+
+# -- the save ---------------------------------------------------------------------------------
+
+
+def _primary_tmp(final: str, token: str) -> str:
+    return os.path.join(os.path.dirname(final), f".{os.path.basename(final)}{TMP_MARKER}{token}")
+
+
+def _part_dir(path: str, token: str) -> str:
+    return os.path.join(path, f"{PART_PREFIX}{token}")
+
+
+def _make_primary(final: str, token: str, overwrite: bool) -> str:
+    if os.path.lexists(final) and not overwrite:
+        raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
+    parent = os.path.dirname(final)
+    tmp = _primary_tmp(final, token)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(tmp)
+    except OSError as exc:
+        raise from_os_error(exc, "mkdir", parent) from exc
+    return tmp
+
+
+def _old_parts(final: str) -> list[str]:
+    """The part directories of the checkpoint at ``final`` (to go with it when replaced)."""
+    try:
+        with open(os.path.join(final, MANIFEST_NAME), "rb") as f:
+            old = parse_manifest(f.read(), final)
+    except (OSError, ValueError):
+        return []
+    return [os.path.normpath(os.path.join(final, d)) for d in old.directories[1:]]
+
+
+async def save_spread(
+    be: IOBackend,
+    pool: StagingPool,
+    flat: Flattened | Exception,
+    paths: Sequence[str],
+    coord: Coordinator | None,
+    *,
+    replicated: Replicated,
+    metadata: Mapping[str, str] | None,
+    overwrite: bool,
+    max_shard_bytes: int,
+    staged: Callable[[], None] | None = None,
+    discard: Callable[[str], None] | None = None,
+) -> SaveInfo:
+    """Save this rank's ``flat`` as its share of a checkpoint spread over ``paths`` (the
+    first is the checkpoint) and the ranks of ``coord``; see the module docstring. An
+    exception for ``flat`` (flattening failed here) fails the save on every rank."""
+    start = time.perf_counter()
+    rank = coord.rank if coord is not None else 0
+    world = coord.world_size if coord is not None else 1
+    final = paths[0]
+    token = uuid.uuid4().hex[:12]
+    committed = False
+
+    async def exchange(value: Any, error: BaseException | None = None) -> list[Any]:
+        if coord is None:
+            if error is not None:
+                raise error
+            return [value]
+        return await coord.exchange(value, error)
+
+    # 1. describe, and (rank 0) claim the temporary directory.
+    desc: RankDesc | None = None
+    error: BaseException | None = None
+    try:
+        if isinstance(flat, Exception):
+            raise flat
+        if flat.pickled:
+            raise UnsupportedStateError(
+                "pickled objects cannot be saved across several ranks or directories; "
+                "save them separately or store them as tensors"
+            )
+        tensors = describe(flat, rank, world, replicated)
+        local_rank = coord.local_rank if coord is not None else 0
+        if rank == 0:
+            await asyncio.to_thread(_make_primary, final, token, overwrite)
+        desc = RankDesc(rank, local_rank, tensors, rank_state(flat, tensors), token)
+    except Exception as exc:
+        error = exc
+    try:
+        descs: list[RankDesc] = await exchange(desc, error)
+        token = descs[0].token
+        # 2. plan: pure and the same everywhere, so it fails everywhere alike.
+        plan = plan_spread(descs, len(paths), max_shard_bytes)
+        mine = [f for f in plan.files if f.rank == rank]
+        assert isinstance(flat, Flattened)
+        records, written = await _write_mine(be, pool, flat, mine, paths, token, exchange, staged)
+        # 4. commit, on rank 0.
+        all_records: list[list[tuple[FilePlan, FileRecord]]] = records
+        commit_error: BaseException | None = None
+        old_parts: list[str] = []
+        if rank == 0:
+            try:
+                old_parts = await asyncio.to_thread(_old_parts, final) if overwrite else []
+                await _commit(
+                    be, pool, descs, plan, all_records, paths, token, final, metadata, overwrite, discard
+                )
+                committed = True
+            except Exception as exc:
+                commit_error = exc
+        await exchange(None, commit_error)
+    except BaseException:
+        # Once the primary is renamed into place the checkpoint is complete: its parts stay,
+        # even if a rank then fails to hear about it.
+        if rank == 0 and not committed:
+            await asyncio.to_thread(
+                _remove_all, [_primary_tmp(final, token)] + [_part_dir(p, token) for p in paths[1:]]
+            )
+        raise
+    if rank == 0 and old_parts:
+        # The replaced checkpoint's parts go after it (its primary went at the rename).
+        if discard is None:
+            await asyncio.to_thread(_remove_all, old_parts)
+        else:
+            for old in old_parts:
+                discard(old)
+    names = tuple(rec.name for _, rec in all_records[rank]) if all_records else ()
+    return SaveInfo(
+        final,
+        written,
+        names,
+        time.perf_counter() - start,
+        be.name,
+        sum(t.nbytes for t in descs[rank].tensors),
+    )
+
+
+async def _write_mine(
+    be: IOBackend,
+    pool: StagingPool,
+    flat: Flattened,
+    mine: Sequence[FilePlan],
+    paths: Sequence[str],
+    token: str,
+    exchange: Callable[..., Any],
+    staged: Callable[[], None] | None,
+) -> tuple[list[list[tuple[FilePlan, FileRecord]]], int]:
+    """3. Write this rank's files; every rank's records, by rank, and this rank's bytes."""
+    sources = {s.name: s.source for s in flat.stored}
+    remaining = len(mine)
+
+    def one_written() -> None:
+        nonlocal remaining
+        remaining -= 1
+        if remaining == 0 and staged is not None:
+            staged()
+
+    if remaining == 0 and staged is not None:
+        staged()
+    out: list[tuple[FilePlan, FileRecord]] = []
+    error: BaseException | None = None
+    try:
+        dirs: dict[int, str] = {}
+        for f in mine:
+            if f.directory not in dirs:
+                d = (
+                    _primary_tmp(paths[0], token)
+                    if f.directory == 0
+                    else _part_dir(paths[f.directory], token)
+                )
+                await asyncio.to_thread(os.makedirs, d, exist_ok=True)
+                dirs[f.directory] = d
+        probes = {i: await asyncio.to_thread(probe_directory, d) for i, d in dirs.items()}
+
+        def data(part: PartPlan) -> torch.Tensor:
+            src = sources[part.source]
+            return src if part.rows is None else src[part.rows[0] : part.rows[1]]
+
+        async def one(f: FilePlan) -> tuple[FilePlan, FileRecord]:
+            layout = layout_file(list(f.dtypes), {"format": "pt"})
+            path = os.path.join(dirs[f.directory], f.name)
+            rec = await write_file(
+                be, path, probes[f.directory], pool, [layout.header, *(data(p) for p in f.parts)], one_written
+            )
+            return f, FileRecord(f.name, rec.nbytes, rec.checksum, layout.data_offset, f.directory)
+
+        out = list(await asyncio.gather(*(one(f) for f in mine)))
+    except Exception as exc:
+        error = exc
+    gathered = await exchange(out, error)
+    return gathered, sum(rec.nbytes for _, rec in out)
+
+
+async def _commit(
+    be: IOBackend,
+    pool: StagingPool,
+    descs: Sequence[RankDesc],
+    plan: SpreadPlan,
+    records: Sequence[Sequence[tuple[FilePlan, FileRecord]]],
+    paths: Sequence[str],
+    token: str,
+    final: str,
+    metadata: Mapping[str, str] | None,
+    overwrite: bool,
+    discard: Callable[[str], None] | None,
+) -> None:
+    tmp = _primary_tmp(final, token)
+    parts = [_part_dir(p, token) for p in paths[1:]]
+    files: dict[str, FileRecord] = {}
+    whole: dict[str, TensorRecord] = {}
+    slices: dict[str, list[SliceRecord]] = {}
+    for per_rank in records:
+        for fp, rec in per_rank:
+            files[fp.name] = rec
+            layout = layout_file(list(fp.dtypes), {"format": "pt"})
+            for part, entry in zip(fp.parts, layout.entries, strict=True):
+                base = rec.data_offset or 0
+                begin, end = base + entry.begin, base + entry.end
+                if part.target_rows is None:
+                    whole[part.target] = TensorRecord(
+                        part.target, fp.name, begin, end, entry.dtype, entry.shape
+                    )
+                else:
+                    slices.setdefault(part.target, []).append(
+                        SliceRecord(fp.name, begin, end, part.target_rows[0], part.target_rows[1])
+                    )
+    sliced = {
+        name: SlicedRecord(
+            name,
+            _dtype(plan.sliced[name][0]),
+            plan.sliced[name][1],
+            tuple(sorted(s, key=lambda x: x.row_start)),
+        )
+        for name, s in slices.items()
+    }
+    state0 = descs[0].state
+    ranks = {d.rank: d.state for d in descs[1:] if d.state != state0}
+    directories = _relative(final, parts)
+    spread = len(descs) > 1 or len(paths) > 1 or bool(sliced)
+    manifest = Manifest(
+        files=files,
+        tensors=whole,
+        skeleton=state0.skeleton,
+        aliases=state0.aliases,
+        views=state0.views,
+        metadata=dict(metadata or {}),
+        layout="state",
+        world_size=len(descs),
+        version=2 if spread else 1,
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        sliced=sliced,
+        directories=directories,
+        ranks=ranks,
+    )
+    dio = await asyncio.to_thread(probe_directory, tmp)
+    await write_file(be, os.path.join(tmp, MANIFEST_NAME), dio, pool, [dump_manifest(manifest)])
+
+    def durable_and_published() -> None:
+        for part in parts:
+            if os.path.isdir(part):
+                fsync_directory(part)
+                fsync_directory(os.path.dirname(part))
+        publish(tmp, final, overwrite, discard or remove_path)
+
+    await wait_uncancellable(asyncio.ensure_future(asyncio.to_thread(durable_and_published)))
+
+
+def _relative(final: str, parts: Sequence[str]) -> tuple[str, ...]:
+    return (".", *(os.path.relpath(p, final) for p in parts))
+
+
+def _remove_all(paths: Sequence[str]) -> None:
+    for p in paths:
+        with contextlib.suppress(OSError):
+            remove_path(p)
+        parent = os.path.dirname(p)
+        if os.path.basename(p).startswith(PART_PREFIX):
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)  # the disk's directory for this checkpoint, if now empty

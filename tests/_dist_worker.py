@@ -1,0 +1,101 @@
+"""One rank of a distributed test: ``python -m tests._dist_worker SCENARIO RANK WORLD PORT DIR BACKEND``.
+
+Runs a real gloo process group over TCP on localhost. Prints one JSON line with what the
+rank saw (``{"ok": ...}`` or ``{"error": type, "message": ...}``) and exits 0, so the
+test can check every rank's outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import aiopersist
+
+
+def model_state(seed: int = 0) -> dict[str, Any]:
+    """The same model and optimizer on every rank (as in DDP training)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt, "step": 7}
+
+
+def sharded_full(seed: int = 1) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {"w": torch.randn(13, 24), "b": torch.randn(5), "e": torch.randn(300, 64)}
+
+
+async def scenario(name: str, rank: int, world: int, base: str, backend: str) -> Any:
+    paths = [os.path.join(base, "a", "ck"), os.path.join(base, "b", "ck")]
+    if name == "replicated":
+        state = model_state()
+        state["mine"] = torch.full((1000,), float(rank))  # this rank's own
+        info = await aiopersist.save(
+            state, paths, replicated=lambda n: not n.startswith("mine"), backend=backend
+        )
+        back = await aiopersist.load(paths[0], backend=backend)  # every rank loads it back: its own "mine"
+        assert torch.equal(back["mine"], state["mine"]), "rank-local tensor"
+        return {"bytes": info.bytes_written, "files": list(info.files)}
+    if name == "sharded":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        full = sharded_full()
+        state = {
+            "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+            "b": distribute_tensor(full["b"], mesh, [Replicate()]),
+            "e": distribute_tensor(full["e"], mesh, [Shard(0)]),
+        }
+        info = await aiopersist.save(state, paths[0], backend=backend)
+        back = await aiopersist.load(paths[0], backend=backend)
+        for k, v in full.items():
+            assert torch.equal(back[k], v), k
+        return {"bytes": info.bytes_written}
+    if name == "flatten-fails":
+        state: dict[str, Any] = {"w": torch.ones(10)}
+        if rank == 1:
+            state["bad"] = object()
+        await aiopersist.save(state, paths, replicated=True, backend=backend)
+        return {}
+    if name == "disk-full":
+        # Rank 1 writes to the second directory, a 1 MiB tmpfs the test mounted.
+        await aiopersist.save({"w": torch.ones(4 << 20)}, paths, replicated=True, backend=backend)
+        return {}
+    if name == "dies":
+        if rank == 1:
+            os._exit(3)
+        await aiopersist.save({"w": torch.ones(10)}, paths, replicated=True, backend=backend)
+        return {}
+    raise SystemExit(f"unknown scenario {name}")
+
+
+def main() -> None:
+    name, rank, world, port, base, backend = sys.argv[1:7]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=int(rank),
+        world_size=int(world),
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        out = {"ok": asyncio.run(scenario(name, int(rank), int(world), base, backend))}
+    except Exception as exc:
+        out = {"error": type(exc).__name__, "message": str(exc)}
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

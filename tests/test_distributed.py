@@ -1,0 +1,182 @@
+"""Saves across ranks and directories, with real processes and a real gloo group.
+
+Every test starts 2 ranks (`tests/_dist_worker.py`), each of them a Python process that
+joins a gloo process group over TCP on localhost, and checks what every rank saw and what
+is on disk, on both I/O backends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import aiopersist
+from tests._dist_worker import model_state, sharded_full
+from tests.conftest import URING_OK
+
+BACKENDS = [
+    "threads",
+    pytest.param("io_uring", marks=pytest.mark.skipif(not URING_OK, reason="io_uring unavailable")),
+]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(scenario: str, base: Path, backend: str, world: int = 2, **env: str) -> list[dict[str, Any]]:
+    port = str(_free_port())
+    environ = {**os.environ, **env}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests._dist_worker", scenario, str(r), str(world), port, str(base), backend],
+            cwd=ROOT,
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+        outs.append({"rc": p.returncode, "stderr": stderr[-3000:], **(json.loads(lines[-1]) if lines else {})})
+    return outs
+
+
+def _no_leftovers(base: Path) -> None:
+    for root, dirs, files in os.walk(base):
+        for name in dirs + files:
+            assert ".aiopersist-tmp-" not in name, os.path.join(root, name)
+            assert not name.startswith("part-"), os.path.join(root, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replicated_state_over_two_ranks_and_two_dirs(tmp_path: Path, backend: str) -> None:
+    outs = run_ranks("replicated", tmp_path, backend)
+    assert all("ok" in o for o in outs), outs
+    written = [o["ok"]["bytes"] for o in outs]
+    assert all(b > 0 for b in written)
+    assert max(written) <= 1.25 * (sum(written) / len(written))  # balanced (headers included)
+    # Each rank wrote to its own disk: rank 0 the checkpoint, rank 1 a part of it.
+    assert all("rank00000-dir00" in f for f in outs[0]["ok"]["files"])
+    assert all("rank00001-dir01" in f for f in outs[1]["ok"]["files"])
+    (part,) = (tmp_path / "b" / "ck").iterdir()
+    assert part.name.startswith("part-")
+    # One process loads it exactly, from the primary alone.
+    ref = model_state()
+    back = aiopersist.load_sync(tmp_path / "a" / "ck", backend=backend)
+    assert back["step"] == 7
+    for k, v in ref["model"].state_dict().items():
+        assert torch.equal(back["model"][k], v), k
+    opt_ref = ref["optim"].state_dict()
+    for i, st in opt_ref["state"].items():
+        for k, v in st.items():
+            assert torch.equal(back["optim"]["state"][i][k], v), (i, k)
+    assert torch.equal(back["mine"], torch.zeros(1000))  # rank 0's own, by default
+    other = aiopersist.load_sync(tmp_path / "a" / "ck", rank=1, backend=backend)
+    assert torch.equal(other["mine"], torch.ones(1000))
+    manifest = json.loads((tmp_path / "a" / "ck" / "aiopersist.json").read_text())
+    assert manifest["version"] == 2
+    assert manifest["world_size"] == 2
+    with pytest.raises(ValueError, match="saved by 2 ranks"):
+        aiopersist.load_sync(tmp_path / "a" / "ck", rank=2, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sharded_dtensors_saved_on_two_ranks_load_whole_in_one(tmp_path: Path, backend: str) -> None:
+    outs = run_ranks("sharded", tmp_path, backend)
+    assert all("ok" in o for o in outs), outs
+    back = aiopersist.load_sync(tmp_path / "a" / "ck", backend=backend)
+    for k, v in sharded_full().items():
+        assert torch.equal(back[k], v), k
+    manifest = json.loads((tmp_path / "a" / "ck" / "aiopersist.json").read_text())
+    assert set(manifest["sliced"]) >= {"w", "e"}  # Shard(0): one tensor, slices by owner
+    assert "b" in manifest["tensors"]  # Replicate: written once
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_fails_fails_the_save_everywhere(tmp_path: Path, backend: str) -> None:
+    outs = run_ranks("flatten-fails", tmp_path, backend)
+    assert outs[1].get("error") == "UnsupportedStateError", outs
+    assert outs[0].get("error") == "RankFailedError", outs
+    assert "rank 1" in outs[0]["message"]
+    assert "UnsupportedStateError" in outs[0]["message"]
+    assert not (tmp_path / "a" / "ck").exists()
+    _no_leftovers(tmp_path)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_disk_full_on_one_rank_commits_nothing(tmp_path: Path, backend: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "b"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=False)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        outs = run_ranks("disk-full", tmp_path, backend)
+        assert outs[1].get("error") == "DiskFullError", outs
+        assert outs[0].get("error") == "RankFailedError", outs
+        assert "DiskFullError" in outs[0]["message"]
+        assert not (tmp_path / "a" / "ck").exists()
+        _no_leftovers(tmp_path)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_a_rank_that_dies_does_not_hang_the_others(tmp_path: Path) -> None:
+    outs = run_ranks("dies", tmp_path, "threads", AIOPERSIST_DIST_TIMEOUT="10")
+    assert outs[1]["rc"] == 3
+    assert outs[0].get("error") == "RankFailedError", outs
+    assert not (tmp_path / "a" / "ck").exists()
+    _no_leftovers(tmp_path)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_one_process_two_dirs_splits_the_bytes(tmp_path: Path, backend: str) -> None:
+    state = model_state()
+    paths = [tmp_path / "a" / "ck", tmp_path / "b" / "ck"]
+    info = await aiopersist.save(state, paths, backend=backend)
+    sizes = [
+        sum(f.stat().st_size for f in p.rglob("*.safetensors"))
+        for p in (tmp_path / "a", tmp_path / "b")
+    ]
+    assert min(sizes) > 0.8 * max(sizes)
+    assert info.bytes_written >= sum(sizes)
+    back = await aiopersist.load(paths[0], backend=backend)
+    for k, v in state["model"].state_dict().items():
+        assert torch.equal(back["model"][k], v)
+    report = await aiopersist.verify(paths[0], backend=backend)
+    assert len(report.files) == 2
+    # Overwriting replaces the parts too: one part per disk, the new one.
+    await aiopersist.save(state, paths, backend=backend, overwrite=True)
+    assert len(list((tmp_path / "b" / "ck").iterdir())) == 1
+    await aiopersist.load(paths[0], backend=backend)
+
+
+@pytest.mark.asyncio
+async def test_path_list_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="empty list"):
+        await aiopersist.save({"a": torch.ones(1)}, [])
+    with pytest.raises(ValueError, match="listed twice"):
+        await aiopersist.save({"a": torch.ones(1)}, [tmp_path / "x", tmp_path / "x"])
+    with pytest.raises(aiopersist.UnsupportedStateError, match="pickled"):
+        await aiopersist.save({"a": object()}, [tmp_path / "x", tmp_path / "y"], allow_pickle=True)
+    assert not (tmp_path / "x").exists()
