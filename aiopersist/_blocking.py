@@ -9,13 +9,12 @@ GIL released.
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from ._api import SaveInfo
+from ._api import PathArg, SaveInfo
 from ._checkpointer import Checkpointer, Mode, OnBusy, SaveHandle
 
 
@@ -100,11 +99,13 @@ class BlockingCheckpointer:
     def save(
         self,
         state: object,
-        path: str | os.PathLike[str],
+        path: PathArg,
         *,
         metadata: Mapping[str, str] | None = None,
         overwrite: bool = False,
         allow_pickle: bool = False,
+        replicated: bool | Callable[[str], bool] | None = None,
+        group: Any = None,
     ) -> BlockingSaveHandle:
         """Start a save; returns once it is planned and started (see `Checkpointer.save`)."""
         handle = self._portal.call(
@@ -115,6 +116,8 @@ class BlockingCheckpointer:
                 metadata=metadata,
                 overwrite=overwrite,
                 allow_pickle=allow_pickle,
+                replicated=replicated,
+                group=group,
             )
         )
         return BlockingSaveHandle(self._portal, handle)

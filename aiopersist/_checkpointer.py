@@ -19,20 +19,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from . import _knobs
-from ._api import PlannedFile, SaveInfo, plan_files, plan_signature, write_checkpoint
+from ._api import (
+    PathArg,
+    PlannedFile,
+    SaveInfo,
+    checkpoint_paths,
+    plan_files,
+    plan_signature,
+    write_checkpoint,
+)
 from ._backends import IOBackend, create_backend
 from ._commit import remove_path
 from ._direct import AlignedBuffer, copy_bytes
+from ._dist import Coordinator, coordinator
 from ._exceptions import AiopersistError
 from ._flatten import Flattened, StoredTensor, flatten
+from ._parallel import save_spread
 from ._staging import StagingPool
 
 log = logging.getLogger("aiopersist")
@@ -78,6 +87,15 @@ def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
             fut.cancel()
         else:
             fut.set_exception(exc)
+
+
+@dataclass(frozen=True)
+class _Spread:
+    """A save over several directories or ranks (see `_parallel`)."""
+
+    paths: list[str]
+    coord: Coordinator | None
+    replicated: bool | Callable[[str], bool] | None
 
 
 class Checkpointer:
@@ -126,25 +144,37 @@ class Checkpointer:
     async def save(
         self,
         state: object,
-        path: str | os.PathLike[str],
+        path: PathArg,
         *,
         metadata: Mapping[str, str] | None = None,
         overwrite: bool = False,
         allow_pickle: bool = False,
+        replicated: bool | Callable[[str], bool] | None = None,
+        group: Any = None,
     ) -> SaveHandle:
         """Start saving ``state`` to ``path``; returns once the save is planned and started.
 
         Until ``handle.staged`` resolves, the caller must not mutate the saved tensors
         (``mode="fence"``); in snapshot mode it resolves as soon as the copy is taken.
+        ``path`` may list several directories, and under ``torch.distributed`` every rank
+        calls `save`, as for [`aiopersist.save`][aiopersist.save] (``replicated``,
+        ``group``); ``staged`` then means this rank's bytes are out of its tensors.
         """
         if self._closed:
             raise RuntimeError("the Checkpointer is closed")
+        paths = checkpoint_paths(path)
+        coord = coordinator(group)  # before any await, as every rank's first step
+        if coord is not None and self.max_in_flight > 1:
+            raise ValueError(
+                "max_in_flight > 1 with several ranks: saves would exchange metadata in an order "
+                "that may differ between ranks; use max_in_flight=1"
+            )
         loop = asyncio.get_running_loop()
         start = loop.time()
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_in_flight)
             self._backend = create_backend(self._backend_name, queue_depth=self._queue_depth)
-        target = os.fspath(path)  # made absolute by the publication, off the loop
+        target = paths[0]
         if self._slots.locked() and self.on_busy == "skip":
             log.info("aiopersist: a save is still running; skipping the save to %s", target)
             handle = SaveHandle(target, loop.create_future(), loop.create_future(), skipped=True)
@@ -153,19 +183,31 @@ class Checkpointer:
             return handle
         await self._slots.acquire()
         try:
-            flat = flatten(state, allow_pickle=allow_pickle)
-            signature = plan_signature(flat)
-            if self._plan is None or self._plan[0] != signature:
-                self._plan = (signature, plan_files(flat, self._max_shard))
-            planned = self._plan[1]
+            spread: _Spread | None = None
+            planned: list[PlannedFile] = []
+            flat: Flattened | Exception
+            if coord is not None or len(paths) > 1:
+                spread = _Spread(paths, coord, replicated)
+                try:
+                    flat = flatten(state, allow_pickle=allow_pickle)
+                except Exception as exc:
+                    if coord is None:
+                        raise
+                    flat = exc  # the other ranks hear of it in the save, and fail with it
+            else:
+                flat = flatten(state, allow_pickle=allow_pickle)
+                signature = plan_signature(flat)
+                if self._plan is None or self._plan[0] != signature:
+                    self._plan = (signature, plan_files(flat, self._max_shard))
+                planned = self._plan[1]
             handle = SaveHandle(target, loop.create_future(), loop.create_future())
-            if self.mode == "snapshot":
+            if self.mode == "snapshot" and isinstance(flat, Flattened):
                 flat = await self._take_snapshot(flat)
                 _resolve(handle.staged, None)
         except BaseException:
             self._slots.release()
             raise
-        task = asyncio.ensure_future(self._run(handle, flat, planned, metadata, overwrite))
+        task = asyncio.ensure_future(self._run(handle, flat, planned, metadata, overwrite, spread))
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._finished(t, handle))
         self._handles = [h for h in self._handles if not h.done.done()] + [handle]
@@ -209,26 +251,43 @@ class Checkpointer:
     async def _run(
         self,
         handle: SaveHandle,
-        flat: Flattened,
+        flat: Flattened | Exception,
         planned: list[PlannedFile],
         metadata: Mapping[str, str] | None,
         overwrite: bool,
+        spread: _Spread | None,
     ) -> None:
         assert self._backend is not None
         assert self._slots is not None
         replaced: list[str] = []  # filled from the publishing thread; list.append is atomic
         try:
-            info = await write_checkpoint(
-                self._backend,
-                self.pool,
-                flat,
-                planned,
-                handle.path,
-                metadata=metadata,
-                overwrite=overwrite,
-                staged=lambda: _resolve(handle.staged, None),
-                discard=replaced.append,
-            )
+            if spread is not None:
+                info = await save_spread(
+                    self._backend,
+                    self.pool,
+                    flat,
+                    spread.paths,
+                    spread.coord,
+                    replicated=spread.replicated,
+                    metadata=metadata,
+                    overwrite=overwrite,
+                    max_shard_bytes=self._max_shard,
+                    staged=lambda: _resolve(handle.staged, None),
+                    discard=replaced.append,
+                )
+            else:
+                assert isinstance(flat, Flattened)
+                info = await write_checkpoint(
+                    self._backend,
+                    self.pool,
+                    flat,
+                    planned,
+                    handle.path,
+                    metadata=metadata,
+                    overwrite=overwrite,
+                    staged=lambda: _resolve(handle.staged, None),
+                    discard=replaced.append,
+                )
         except BaseException as exc:
             _fail(handle.staged, exc)
             _fail(handle.done, exc)

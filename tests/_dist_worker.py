@@ -62,6 +62,16 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         for k, v in full.items():
             assert torch.equal(back[k], v), k
         return {"bytes": info.bytes_written}
+    if name == "checkpointer":
+        state = model_state()
+        async with aiopersist.Checkpointer(backend=backend) as ck:
+            handle = await ck.save(state, paths, replicated=True)
+            await handle.staged
+            with torch.no_grad():  # the next optimizer step, right after the fence
+                for p in state["model"].parameters():
+                    p.add_(1.0)
+            info = await handle.done
+        return {"bytes": info.bytes_written}
     if name == "flatten-fails":
         state: dict[str, Any] = {"w": torch.ones(10)}
         if rank == 1:

@@ -40,7 +40,17 @@ def run_ranks(scenario: str, base: Path, backend: str, world: int = 2, **env: st
     environ = {**os.environ, **env}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests._dist_worker", scenario, str(r), str(world), port, str(base), backend],
+            [
+                sys.executable,
+                "-m",
+                "tests._dist_worker",
+                scenario,
+                str(r),
+                str(world),
+                port,
+                str(base),
+                backend,
+            ],
             cwd=ROOT,
             env=environ,
             stdout=subprocess.PIPE,
@@ -53,7 +63,9 @@ def run_ranks(scenario: str, base: Path, backend: str, world: int = 2, **env: st
     for p in procs:
         stdout, stderr = p.communicate(timeout=240)
         lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
-        outs.append({"rc": p.returncode, "stderr": stderr[-3000:], **(json.loads(lines[-1]) if lines else {})})
+        outs.append(
+            {"rc": p.returncode, "stderr": stderr[-3000:], **(json.loads(lines[-1]) if lines else {})}
+        )
     return outs
 
 
@@ -109,6 +121,16 @@ def test_sharded_dtensors_saved_on_two_ranks_load_whole_in_one(tmp_path: Path, b
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpointer_over_two_ranks_fence_then_mutate(tmp_path: Path, backend: str) -> None:
+    outs = run_ranks("checkpointer", tmp_path, backend)
+    assert all("ok" in o for o in outs), outs
+    assert all(o["ok"]["bytes"] > 0 for o in outs)
+    back = aiopersist.load_sync(tmp_path / "a" / "ck", backend=backend)
+    for k, v in model_state()["model"].state_dict().items():
+        assert torch.equal(back["model"][k], v), k  # what was saved, not the mutation after staged
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_that_fails_fails_the_save_everywhere(tmp_path: Path, backend: str) -> None:
     outs = run_ranks("flatten-fails", tmp_path, backend)
     assert outs[1].get("error") == "UnsupportedStateError", outs
@@ -155,8 +177,7 @@ async def test_one_process_two_dirs_splits_the_bytes(tmp_path: Path, backend: st
     paths = [tmp_path / "a" / "ck", tmp_path / "b" / "ck"]
     info = await aiopersist.save(state, paths, backend=backend)
     sizes = [
-        sum(f.stat().st_size for f in p.rglob("*.safetensors"))
-        for p in (tmp_path / "a", tmp_path / "b")
+        sum(f.stat().st_size for f in p.rglob("*.safetensors")) for p in (tmp_path / "a", tmp_path / "b")
     ]
     assert min(sizes) > 0.8 * max(sizes)
     assert info.bytes_written >= sum(sizes)
