@@ -151,6 +151,18 @@ def _bench_ckpt(args: argparse.Namespace) -> int:
 
     directory = os.path.abspath(args.dir)
     os.makedirs(directory, exist_ok=True)
+    ranks, dirs = getattr(args, "ranks", 1), getattr(args, "dirs", 1)
+    if ranks != 1 or dirs != 1:
+        from ._bench_spread import format_spread, run_spread
+
+        if ranks < 1 or dirs < 1:
+            print("aiopersist bench save: --ranks and --dirs must be at least 1", file=sys.stderr)
+            return 2
+        spread = run_spread(
+            directory, size_bytes=int(args.size_gib * (1 << 30)), ranks=ranks, dirs=dirs, rounds=args.rounds
+        )
+        print(format_spread(spread))
+        return 0
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
     report = run_ckpt(
         directory,
@@ -311,10 +323,12 @@ def _document(target: str, kind: str, **fields: Any) -> dict[str, Any]:
 
 
 def _describe_manifest(target: str, m: Manifest) -> dict[str, Any]:
+    from ._api import file_directory
+
     files = []
     for rec in m.files.values():
         try:
-            on_disk: int | None = os.stat(os.path.join(target, rec.name)).st_size
+            on_disk: int | None = os.stat(os.path.join(file_directory(target, m, rec), rec.name)).st_size
         except FileNotFoundError:
             on_disk = None
         problem = None
@@ -347,14 +361,33 @@ def _describe_manifest(target: str, m: Manifest) -> dict[str, Any]:
     done: set[str] = set()
     view_bases = {spec.base for spec in m.views.values()}
 
+    def where(name: str) -> str:
+        if name in m.sliced:
+            files = sorted({p.file for p in m.sliced[name].slices})
+            return f"{len(m.sliced[name].slices)} slices in {', '.join(files)}"
+        if name in m.views:
+            return where(m.views[name].base)
+        if name in m.aliases:
+            return where(m.aliases[name])
+        return m.tensors[name].file
+
+    def typed(name: str) -> tuple[Any, tuple[int, ...]]:
+        if name in m.sliced:
+            return m.sliced[name].dtype, m.sliced[name].shape
+        if name in m.aliases:
+            return typed(m.aliases[name])
+        if name in m.views:
+            return m.views[name].dtype, m.views[name].shape
+        return m.tensors[name].dtype, m.tensors[name].shape
+
     def emit(name: str, numpy: bool = False) -> None:
         if name in done:
             return
         if name in m.aliases:
             target_name = m.aliases[name]
             emit(target_name)
-            rec = m.tensors[target_name]
-            row = _row(name, rec.dtype, rec.shape, rec.file, "alias", alias_of=target_name, numpy=numpy)
+            dtype, shape = typed(target_name)
+            row = _row(name, dtype, shape, where(target_name), "alias", alias_of=target_name, numpy=numpy)
         elif name in m.views:
             spec = m.views[name]
             emit(spec.base)
@@ -362,15 +395,15 @@ def _describe_manifest(target: str, m: Manifest) -> dict[str, Any]:
                 name,
                 spec.dtype,
                 spec.shape,
-                m.tensors[spec.base].file,
+                where(spec.base),
                 "view",
                 view_of=spec.base,
                 numpy=numpy,
             )
-        elif name in m.tensors:
-            rec = m.tensors[name]
+        elif name in m.tensors or name in m.sliced:
             kind = "storage" if name in view_bases and name not in names else "stored"
-            row = _row(name, rec.dtype, rec.shape, rec.file, kind, numpy=numpy)
+            dtype, shape = typed(name)
+            row = _row(name, dtype, shape, where(name), kind, numpy=numpy)
         else:
             raise CheckpointCorruptError(
                 f"{target}: the manifest's skeleton refers to unknown tensor {name!r}"
@@ -380,7 +413,7 @@ def _describe_manifest(target: str, m: Manifest) -> dict[str, Any]:
 
     for name, numpy in referenced:
         emit(name, numpy)
-    for name in [*m.tensors, *m.aliases, *m.views]:
+    for name in [*m.tensors, *m.sliced, *m.aliases, *m.views]:
         emit(name)
     return _document(
         target,
@@ -682,6 +715,11 @@ def build_parser() -> argparse.ArgumentParser:
         ck.add_argument("--methods", help="comma-separated subset of the methods")
         ck.add_argument("--json", action="store_true", help="print the report as JSON")
         ck.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart")
+        if kind == "save":
+            ck.add_argument(
+                "--ranks", type=int, default=1, help="ranks saving together (gloo), against 1 rank x 1 dir"
+            )
+            ck.add_argument("--dirs", type=int, default=1, help="directories (SSDs) the save is spread over")
         ck.set_defaults(func=_bench_ckpt)
     train = bench_sub.add_parser("train", help="a training loop checkpointing every step: overhead per mode")
     train.add_argument("--dir", default="bench-data", help="where the checkpoints go")

@@ -78,3 +78,29 @@ def test_bench_train_rejects_unknown_modes(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "--modes" in proc.stderr
     assert "'none,fast'" in proc.stderr
+
+
+def test_bench_save_over_two_ranks_and_two_dirs(tmp_path: Path) -> None:
+    proc = _cli(
+        "bench", "save", "--dir", str(tmp_path / "d"), "--size-gib", "0.02", "--rounds", "1",
+        "--ranks", "2", "--dirs", "2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    layouts = {line.split()[0] for line in proc.stdout.splitlines() if line[:1].isdigit()}
+    assert {"1x1", "2x2"} <= layouts
+    assert "max/mean" in proc.stdout
+    assert not any((tmp_path / "d").iterdir())
+
+
+def test_inspect_a_checkpoint_over_two_directories(tmp_path: Path) -> None:
+    import torch
+
+    import aiopersist
+
+    paths = [tmp_path / "a" / "ck", tmp_path / "b" / "ck"]
+    aiopersist.save_sync({"w": torch.ones(1 << 20), "v": torch.zeros(3)}, paths)
+    proc = _cli("inspect", str(paths[0]))
+    assert proc.returncode == 0, proc.stderr
+    assert "missing" not in proc.stdout
+    assert "state-rank00000-dir01.safetensors" in proc.stdout
+    assert "slices in" in proc.stdout  # the big tensor is split between the two disks
