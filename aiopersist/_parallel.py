@@ -131,7 +131,7 @@ def describe(flat: Flattened, rank: int, world_size: int, replicated: Replicated
     for s in flat.stored:
         shape = tuple(int(d) for d in s.source.shape)
         dtype = dtype_name(s.source.dtype)
-        if s.name in flat.sharded:
+        if s.name in flat.sharded and flat.sharded[s.name][0][:1] != (0,):
             whole, start = flat.sharded[s.name]
             out.append(TensorDesc(s.name, s.name, dtype, shape, s.alignment, "shard", whole, start))
             continue
@@ -195,9 +195,28 @@ def _rows(shape: tuple[int, ...]) -> int:
     return shape[0] if shape else 1
 
 
+_PLANS: dict[tuple[object, ...], SpreadPlan] = {}
+_PLANS_KEPT = 4
+
+
 def plan_spread(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int) -> SpreadPlan:
     """Who writes what where; the same on every rank. Raises `StateMismatchError` when
-    the ranks disagree on the shared tensors."""
+    the ranks disagree on the shared tensors.
+
+    Plans are cached while the state's structure (every rank's tensors: names, dtypes,
+    shapes) and the directories stay the same, as between the saves of a training run.
+    """
+    key = (tuple((d.rank, d.local_rank, d.tensors) for d in descs), num_dirs, max_shard_bytes)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan_spread(descs, num_dirs, max_shard_bytes)
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return plan
+
+
+def _plan_spread(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int) -> SpreadPlan:
     ranks = sorted(descs, key=lambda d: d.rank)
     shared0 = {t.name: (t.dtype, t.shape) for t in ranks[0].tensors if t.kind == "replicated"}
     for d in ranks[1:]:
@@ -224,8 +243,10 @@ def plan_spread(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int) 
             elif t.kind == "local":
                 key, owner = t.name, d.rank
             else:
-                key, owner = f"{t.name}\0{d.rank}", d.rank
                 shards.setdefault(t.name, []).append((d.rank, t))
+                if rows == 0:
+                    continue  # an empty shard (uneven chunks): nothing of it to write
+                key, owner = f"{t.name}\0{d.rank}", d.rank
             owner_of[key] = (owner, t)
             entries.append(Entry(key, t.nbytes, max(rows, 1) if t.nbytes else 1, owner))
     for name, owned in shards.items():
@@ -274,10 +295,8 @@ def plan_spread(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int) 
             groups[-1].append(item)
             size += nbytes
         for i, group in enumerate(groups):
-            if not group and files and i == 0 and not pieces:
-                continue
             if not group:
-                continue
+                continue  # a writer with nothing to write writes no file
             suffix = f"-{i + 1:05d}" if len(groups) > 1 else ""
             files.append(
                 FilePlan(

@@ -62,6 +62,11 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         for k, v in full.items():
             assert torch.equal(back[k], v), k
         return {"bytes": info.bytes_written}
+    if name == "ddp":
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(256, 256)))
+        info = await aiopersist.save({"model": model, "rank": rank}, paths[0], backend=backend)
+        return {"bytes": info.bytes_written}
     if name == "checkpointer":
         state = model_state()
         async with aiopersist.Checkpointer(backend=backend) as ck:
@@ -92,18 +97,22 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
 
 def main() -> None:
     name, rank, world, port, base, backend = sys.argv[1:7]
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=int(rank),
-        world_size=int(world),
-        timeout=datetime.timedelta(seconds=60),
-    )
+    if rank == "env":  # launched by torchrun: RANK, WORLD_SIZE, MASTER_ADDR, ... are set
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    else:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=int(rank),
+            world_size=int(world),
+            timeout=datetime.timedelta(seconds=60),
+        )
     try:
         out = {"ok": asyncio.run(scenario(name, int(rank), int(world), base, backend))}
     except Exception as exc:
         out = {"error": type(exc).__name__, "message": str(exc)}
-    print(json.dumps(out), flush=True)
+    print(json.dumps({"rank": int(rank), **out}), flush=True)
     dist.destroy_process_group()
 
 

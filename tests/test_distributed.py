@@ -131,6 +131,39 @@ def test_checkpointer_over_two_ranks_fence_then_mutate(tmp_path: Path, backend: 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_ddp_module_is_replicated_without_being_told(tmp_path: Path, backend: str) -> None:
+    outs = run_ranks("ddp", tmp_path, backend)
+    assert all("ok" in o for o in outs), outs
+    assert all(o["ok"]["bytes"] > 0 for o in outs)  # the weights are split, not written twice
+    manifest = json.loads((tmp_path / "a" / "ck" / "aiopersist.json").read_text())
+    names = set(manifest["tensors"]) | set(manifest["sliced"])
+    assert any(n.startswith("model.module.0.weight") for n in names)
+    assert not any("@" in n for n in names)
+    back = aiopersist.load_sync(tmp_path / "a" / "ck", backend=backend)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(256, 256))
+    assert torch.equal(back["model"]["module.0.weight"], ref[0].weight.detach())
+
+
+def test_under_torchrun(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(_free_port()),
+            "-m", "tests._dist_worker", "replicated", "env", "0", "0", str(tmp_path), "threads",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert sorted(o["rank"] for o in outs) == [0, 1]
+    assert all("ok" in o for o in outs), outs
+    back = aiopersist.load_sync(tmp_path / "a" / "ck")
+    for k, v in model_state()["model"].state_dict().items():
+        assert torch.equal(back["model"][k], v), k
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_that_fails_fails_the_save_everywhere(tmp_path: Path, backend: str) -> None:
     outs = run_ranks("flatten-fails", tmp_path, backend)
     assert outs[1].get("error") == "UnsupportedStateError", outs

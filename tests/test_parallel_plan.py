@@ -1,0 +1,109 @@
+"""The spread planner (pure): describing a rank's state and planning files from every
+rank's description, without processes or files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aiopersist._exceptions import StateMismatchError
+from aiopersist._flatten import flatten
+from aiopersist._manifest import RankState
+from aiopersist._parallel import RankDesc, TensorDesc, describe, plan_spread, rank_state
+
+
+def _desc(rank: int, tensors: list[TensorDesc], local_rank: int | None = None) -> RankDesc:
+    return RankDesc(rank, rank if local_rank is None else local_rank, tuple(tensors), RankState({}), "tok")
+
+
+def _t(name: str, shape: tuple[int, ...], kind: str = "replicated", **kw: object) -> TensorDesc:
+    return TensorDesc(name, name.split("@")[0], "F32", shape, 4, kind, **kw)  # type: ignore[arg-type]
+
+
+def _covered(plan: object, name: str) -> list[tuple[int, int]]:
+    rows = []
+    for f in plan.files:  # type: ignore[attr-defined]
+        for p in f.parts:
+            if p.target == name:
+                rows.append(p.target_rows or (0, -1))
+    return sorted(rows)
+
+
+def test_describe_marks_shared_local_and_renames_local() -> None:
+    flat = flatten({"w": torch.ones(4), "rng": torch.zeros(2), "n": 3})
+    tensors = describe(flat, rank=1, world_size=2, replicated=lambda n: n != "rng")
+    kinds = {t.name: t.kind for t in tensors}
+    assert kinds == {"w": "replicated", "rng@1": "local"}
+    state = rank_state(flat, tensors)
+    assert state.skeleton == {"w": {"__tensor__": "w"}, "rng": {"__tensor__": "rng@1"}, "n": 3}
+
+
+def test_one_rank_shares_everything() -> None:
+    flat = flatten({"a": torch.ones(3)})
+    assert [t.kind for t in describe(flat, 0, 1, replicated=False)] == ["replicated"]
+
+
+def test_ddp_tensors_are_replicated_without_being_told() -> None:
+    flat = flatten({"x": torch.ones(2)})
+    flat.replicated.add("x")
+    assert [t.kind for t in describe(flat, 1, 2, replicated=None)] == ["replicated"]
+
+
+def test_replicated_tensors_are_split_between_ranks_and_cover_every_row() -> None:
+    big = _t("big", (4096, 1024))  # 16 MiB: split in row slices
+    small = [_t(f"s{i}", (256, 256)) for i in range(8)]
+    descs = [_desc(r, [big, *small]) for r in range(2)]
+    plan = plan_spread(descs, num_dirs=2, max_shard_bytes=1 << 40)
+    assert plan.imbalance <= 1.05
+    assert {f.rank for f in plan.files} == {0, 1}
+    assert {(f.rank, f.directory) for f in plan.files} == {(0, 0), (1, 1)}
+    rows = _covered(plan, "big")
+    assert rows[0][0] == 0
+    assert rows[-1][1] == 4096
+    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+    assert "big" in plan.sliced
+
+
+def test_plans_are_cached_and_deterministic() -> None:
+    descs = [_desc(r, [_t("a", (64, 64)), _t("b", (32,))]) for r in range(2)]
+    assert plan_spread(descs, 1, 1 << 30) is plan_spread(list(descs), 1, 1 << 30)
+    again = [_desc(r, [_t("a", (64, 64)), _t("b", (32,))]) for r in range(2)]
+    assert plan_spread(again, 1, 1 << 30) == plan_spread(descs, 1, 1 << 30)
+
+
+def test_ranks_that_disagree_on_shared_tensors_fail_alike() -> None:
+    descs = [_desc(0, [_t("a", (4,))]), _desc(1, [_t("a", (5,))])]
+    with pytest.raises(StateMismatchError, match="differ between rank 0 and rank 1"):
+        plan_spread(descs, 1, 1 << 30)
+
+
+def test_shards_must_tile_their_tensor() -> None:
+    ok = [
+        _desc(0, [_t("w", (3, 4), "shard", whole_shape=(5, 4), row_start=0)]),
+        _desc(1, [_t("w", (2, 4), "shard", whole_shape=(5, 4), row_start=3)]),
+    ]
+    plan = plan_spread(ok, 1, 1 << 30)
+    assert _covered(plan, "w") == [(0, 3), (3, 5)]
+    gap = [
+        _desc(0, [_t("w", (2, 4), "shard", whole_shape=(5, 4), row_start=0)]),
+        _desc(1, [_t("w", (2, 4), "shard", whole_shape=(5, 4), row_start=3)]),
+    ]
+    with pytest.raises(StateMismatchError, match="do not tile"):
+        plan_spread(gap, 1, 1 << 30)
+
+
+def test_an_empty_shard_writes_nothing() -> None:
+    descs = [
+        _desc(0, [_t("w", (2, 4), "shard", whole_shape=(2, 4), row_start=0)]),
+        _desc(1, [_t("w", (0, 4), "shard", whole_shape=(2, 4), row_start=2)]),
+    ]
+    plan = plan_spread(descs, 1, 1 << 30)
+    assert _covered(plan, "w") == [(0, 2)]
+    assert {f.rank for f in plan.files} == {0}
+
+
+def test_files_are_cut_at_max_shard_bytes() -> None:
+    descs = [_desc(0, [_t(f"t{i}", (256, 256)) for i in range(6)])]  # 6 x 256 KiB
+    plan = plan_spread(descs, 1, 600 << 10)
+    assert len(plan.files) == 3
+    assert all(f.name.startswith("state-rank00000-dir00-0000") for f in plan.files)
