@@ -3,6 +3,8 @@ rank's description, without processes or files."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -60,7 +62,7 @@ def test_replicated_tensors_are_split_between_ranks_and_cover_every_row() -> Non
     rows = _covered(plan, "big")
     assert rows[0][0] == 0
     assert rows[-1][1] == 4096
-    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
     assert "big" in plan.sliced
 
 
