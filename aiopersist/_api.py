@@ -27,8 +27,10 @@ from ._backends import IOBackend, open_backend
 from ._commit import atomic_directory, remove_path
 from ._direct import AlignedBuffer, DirectIOInfo, empty_for_direct_read, probe_directory, probe_file_for_read
 from ._exceptions import (
+    AiopersistError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    StateMismatchError,
     UnsupportedStateError,
     from_os_error,
 )
@@ -135,8 +137,10 @@ async def write_file(
     pool: StagingPool,
     parts: Sequence[bytes | torch.Tensor],
     written: Callable[[], None] | None = None,
+    hasher: Any = None,
 ) -> FileRecord:
-    hasher = new_hasher()
+    """Write ``parts`` as a new file, checksummed (by ``hasher`` when given), fsynced."""
+    hasher = hasher if hasher is not None else new_hasher()
     async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
         for part in parts:
             await writer.write(part)
@@ -568,13 +572,169 @@ def _needed(manifest: Manifest, state: RankState) -> set[str]:
     return out
 
 
+@dataclass(frozen=True)
+class _Want:
+    """What ``load(into=...)`` needs of one stored tensor: some rows, as a DTensor."""
+
+    rows: tuple[int, int] | None
+    """Rows of a dim-0 sharded tensor this rank holds; ``None``: all of it."""
+    dtensor: torch.Tensor
+    """The target DTensor: its mesh and placements rebuild the loaded one."""
+
+
+def _wants(into: object) -> dict[str, _Want]:
+    """The DTensors in ``into``, by the names a save of ``into`` would give them."""
+    try:
+        flat = flatten(into, allow_pickle=True)
+    except AiopersistError:
+        return {}
+    local = {s.name: s.source for s in flat.stored}
+    out = {}
+    for name, dt in flat.dtensors.items():
+        rows = None
+        if name in flat.sharded and name in local:
+            start = flat.sharded[name][1]
+            rows = (start, start + int(local[name].shape[0]))
+        out[name] = _Want(rows, dt)
+    return out
+
+
+def _as_dtensor(local: torch.Tensor, want: _Want) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    target = want.dtensor
+    assert isinstance(target, DTensor)
+    return DTensor.from_local(
+        local,
+        target.device_mesh,
+        target.placements,
+        run_check=False,
+        shape=target.shape,
+        stride=target.stride(),
+    )
+
+
+def _parts_checked(manifest: Manifest, needed: set[str]) -> bool:
+    """Whether every needed tensor has checksums of its own (then it is read alone)."""
+    for name in needed:
+        if name in manifest.tensors:
+            if manifest.tensors[name].checksum is None:
+                return False
+        elif any(p.checksum is None for p in manifest.sliced[name].slices):
+            return False
+    return True
+
+
+async def _load_parts(
+    be: IOBackend,
+    loc: _Located,
+    pool: StagingPool,
+    prefault: _Prefaulter,
+    needed: set[str],
+    wants: Mapping[str, _Want],
+) -> dict[str, torch.Tensor]:
+    """Read the needed tensors, and of a sharded one only the slices that hold the wanted
+    rows, each checked against its own checksum."""
+    manifest = loc.manifest
+    assert manifest is not None
+    by_file: dict[str, list[tuple[int, torch.Tensor, str, str]]] = {}
+    stored: dict[str, torch.Tensor] = {}
+    after: list[Callable[[], None]] = []
+
+    def add(file: str, begin: int, dest: torch.Tensor, checksum: str | None, what: str) -> None:
+        by_file.setdefault(file, []).append((begin, dest, checksum or "", what))
+
+    for name in sorted(needed):
+        if name in manifest.tensors:
+            t = manifest.tensors[name]
+            dest = _allocate(
+                t.shape, t.dtype, t.begin, loc.dio.direct and t.nbytes >= pool.buffer_bytes, prefault
+            )
+            stored[name] = dest
+            add(t.file, t.begin, dest.reshape(-1).view(torch.uint8), t.checksum, name)
+            continue
+        sl = manifest.sliced[name]
+        want = wants.get(name)
+        r0, r1 = want.rows if want is not None and want.rows is not None else (0, sl.shape[0])
+        if not 0 <= r0 <= r1 <= sl.shape[0]:
+            raise StateMismatchError(f"{name}: rows {r0}..{r1} wanted, the checkpoint has {sl.shape[0]}")
+        overlapping = [p for p in sl.slices if p.row_start < r1 and p.row_end > r0]
+        first = overlapping[0].begin if overlapping else 0
+        shape = (r1 - r0, *sl.shape[1:])
+        dest = _allocate(shape, sl.dtype, first, loc.dio.direct and sl.nbytes >= pool.buffer_bytes, prefault)
+        stored[name] = dest
+        rows = dest.reshape(r1 - r0, -1)
+        for p in overlapping:
+            what = f"{name}[{p.row_start}:{p.row_end}]"
+            if r0 <= p.row_start and p.row_end <= r1:
+                add(
+                    p.file,
+                    p.begin,
+                    rows[p.row_start - r0 : p.row_end - r0].reshape(-1).view(torch.uint8),
+                    p.checksum,
+                    what,
+                )
+                continue
+            # Partly wanted: the whole slice is read (its checksum covers all of it), and
+            # the wanted rows copied out.
+            scratch = torch.empty((p.row_end - p.row_start, rows.shape[1]), dtype=sl.dtype)
+            add(p.file, p.begin, scratch.reshape(-1).view(torch.uint8), p.checksum, what)
+            a, b = max(r0, p.row_start), min(r1, p.row_end)
+
+            def copy(
+                dst: torch.Tensor = rows[a - r0 : b - r0],
+                src: torch.Tensor = scratch[a - p.row_start : b - p.row_start],
+            ) -> None:
+                dst.copy_(src)
+
+            after.append(copy)
+    prefault.start()
+
+    async def one_file(file: str, items: list[tuple[int, torch.Tensor, str, str]]) -> None:
+        path = os.path.join(file_directory(loc.directory, manifest, manifest.files[file]), file)
+        await read_segments(be, path, loc.dio, pool, [(begin, dest) for begin, dest, _, _ in items])
+        actual = await asyncio.to_thread(_digests, [dest for _, dest, _, _ in items])
+        for (_, _, stated, what), got in zip(items, actual, strict=True):
+            if got != stated:
+                raise CheckpointCorruptError(
+                    f"{path}: checksum mismatch in {what} (stored {stated}, computed {got})"
+                )
+
+    await asyncio.gather(*(one_file(f, items) for f, items in by_file.items()))
+    for fn in after:
+        fn()
+    return stored
+
+
+def _digests(parts: Sequence[torch.Tensor]) -> list[str]:
+    out = []
+    for part in parts:
+        hasher = new_hasher()
+        if part.numel():
+            hasher.update(cast(Any, part.numpy()))
+        out.append(str(hasher.hexdigest()))
+    return out
+
+
 async def _load_manifest(
-    be: IOBackend, loc: _Located, pool: StagingPool, prefault: _Prefaulter, rank: int, allow_pickle: bool
+    be: IOBackend,
+    loc: _Located,
+    pool: StagingPool,
+    prefault: _Prefaulter,
+    rank: int,
+    allow_pickle: bool,
+    wants: Mapping[str, _Want],
 ) -> Any:
     manifest = loc.manifest
     assert manifest is not None
     state = manifest.rank_state(rank)
     needed = _needed(manifest, state) if manifest.version >= 2 else set(manifest.tensors)
+    if manifest.version >= 2 and manifest.pickle_file is None and _parts_checked(manifest, needed):
+        parts = await _load_parts(be, loc, pool, prefault, needed, wants)
+        for name, want in wants.items():
+            if name in parts:
+                parts[name] = _as_dtensor(parts[name], want)
+        return _rebuild(state, parts, None)
     # Every file that holds a byte of a needed tensor is read whole (its checksum covers
     # all of it); files that hold only other ranks' tensors are not read at all.
     wanted_files = {t.file for t in manifest.tensors.values() if t.name in needed}
@@ -740,8 +900,9 @@ async def load(
     try:
         async with open_backend(backend) as be:
             if loc.manifest is not None:
+                wants = _wants(into) if into is not None and loc.manifest.version >= 2 else {}
                 state = await _load_manifest(
-                    be, loc, pool, prefault, _rank_to_load(loc.manifest, rank), allow_pickle
+                    be, loc, pool, prefault, _rank_to_load(loc.manifest, rank), allow_pickle, wants
                 )
             else:
                 parts = await asyncio.gather(

@@ -103,6 +103,8 @@ class Flattened:
     sharded: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     """Dim-0 shards (DTensors with a ``Shard(0)`` placement): name -> (the whole tensor's
     shape, the first row this rank holds). ``source`` is the local shard."""
+    dtensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The DTensors themselves, by name (their mesh and placements rebuild them on load)."""
 
     @property
     def tensor_bytes(self) -> int:
@@ -131,6 +133,7 @@ class _Walker:
         self.active: set[int] = set()
         self.replicated: set[str] = set()
         self.sharded: dict[str, tuple[tuple[int, ...], int]] = {}
+        self.dtensors: dict[str, torch.Tensor] = {}
         self.in_ddp = 0
 
     def name_for(self, parts: list[str]) -> str:
@@ -145,7 +148,9 @@ class _Walker:
     def tensor(self, t: torch.Tensor, parts: list[str], where: str) -> str:
         shard: tuple[tuple[int, ...], int] | None = None
         replicated = self.in_ddp > 0
+        dtensor = None
         if _is_dtensor(t):
+            dtensor = t
             t, shard, replicated = _dtensor_local(t, where)
         if t.layout != torch.strided:
             raise UnsupportedStateError(f"{where}: {t.layout} tensors are not supported")
@@ -157,6 +162,8 @@ class _Walker:
             t = t.resolve_conj().resolve_neg()
         name = self.name_for(parts)
         self.tensors.append((name, t.detach()))
+        if dtensor is not None:
+            self.dtensors[name] = dtensor
         if shard is not None:
             self.sharded[name] = shard
         elif replicated:
@@ -347,6 +354,7 @@ def flatten(obj: object, *, allow_pickle: bool = False) -> Flattened:
         model_only=model_only,
         replicated=walker.replicated,
         sharded=walker.sharded,
+        dtensors=walker.dtensors,
     )
     _dedupe(walker, flat, materialize_views=model_only)
     return flat

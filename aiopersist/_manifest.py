@@ -56,6 +56,9 @@ class TensorRecord:
     """Absolute byte offsets in ``file``."""
     dtype: Any  # torch.dtype
     shape: tuple[int, ...]
+    checksum: str | None = None
+    """xxh3 of these bytes alone (version 2): they can be read and checked without the
+    rest of the file."""
 
     @property
     def nbytes(self) -> int:
@@ -71,6 +74,8 @@ class SliceRecord:
     end: int
     row_start: int
     row_end: int
+    checksum: str | None = None
+    """xxh3 of the slice's bytes alone."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,9 @@ class Manifest:
             doc["directories"] = list(self.directories)
             for name, f in self.files.items():
                 doc["files"][name]["dir"] = f.directory
+            for name, t in self.tensors.items():
+                if t.checksum is not None:
+                    doc["tensors"][name]["checksum"] = t.checksum
             doc["sliced"] = {
                 t.name: {
                     "dtype": dtype_name(t.dtype),
@@ -141,6 +149,7 @@ class Manifest:
                             "file": sl.file,
                             "offsets": [sl.begin, sl.end],
                             "rows": [sl.row_start, sl.row_end],
+                            **({"checksum": sl.checksum} if sl.checksum is not None else {}),
                         }
                         for sl in t.slices
                     ],
@@ -312,7 +321,8 @@ def _sliced(name: str, spec: Any, files: Mapping[str, FileRecord], where: str) -
         r0, r1 = (_int(v, f"rows of a slice of {name!r}", where) for v in piece["rows"])
         if r0 != pos or r1 <= r0 or end - begin != (r1 - r0) * row_bytes or end > files[file].nbytes:
             raise CheckpointCorruptError(f"{where}: slice rows {[r0, r1]} of {name!r} do not fit")
-        slices.append(SliceRecord(file, begin, end, r0, r1))
+        checksum = piece.get("checksum")
+        slices.append(SliceRecord(file, begin, end, r0, r1, None if checksum is None else str(checksum)))
         pos = r1
     if pos != shape[0]:
         raise CheckpointCorruptError(f"{where}: the slices of {name!r} cover {pos} of its {shape[0]} rows")
@@ -361,7 +371,10 @@ def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
             raise CheckpointCorruptError(
                 f"{where}: tensor {name!r} has offsets {[begin, end]} that do not fit"
             )
-        tensors[name] = TensorRecord(name, file, begin, end, dtype, shape)
+        checksum = spec.get("checksum")
+        tensors[name] = TensorRecord(
+            name, file, begin, end, dtype, shape, None if checksum is None else str(checksum)
+        )
     sliced = {name: _sliced(name, spec, files, where) for name, spec in doc.get("sliced", {}).items()}
     clash = set(sliced) & set(tensors)
     if clash:

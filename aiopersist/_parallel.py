@@ -53,10 +53,12 @@ from ._manifest import (
     SliceRecord,
     TensorRecord,
     dump_manifest,
+    new_hasher,
     parse_manifest,
 )
 from ._partition import Entry, Piece, partition, writers_for
 from ._staging import StagingPool
+from ._stream import PartHasher
 
 Replicated = bool | Callable[[str], bool] | None
 PART_PREFIX = "part-"
@@ -429,7 +431,7 @@ async def save_spread(
         assert isinstance(flat, Flattened)
         records, written = await _write_mine(be, pool, flat, mine, paths, token, exchange, staged)
         # 4. commit, on rank 0.
-        all_records: list[list[tuple[FilePlan, FileRecord]]] = records
+        all_records: list[list[tuple[FilePlan, FileRecord, list[str]]]] = records
         commit_error: BaseException | None = None
         old_parts: list[str] = []
         if rank == 0:
@@ -457,7 +459,7 @@ async def save_spread(
         else:
             for old in old_parts:
                 discard(old)
-    names = tuple(rec.name for _, rec in all_records[rank]) if all_records else ()
+    names = tuple(rec.name for _, rec, _ in all_records[rank]) if all_records else ()
     return SaveInfo(
         final,
         written,
@@ -477,7 +479,7 @@ async def _write_mine(
     token: str,
     exchange: Callable[..., Any],
     staged: Callable[[], None] | None,
-) -> tuple[list[list[tuple[FilePlan, FileRecord]]], int]:
+) -> tuple[list[list[tuple[FilePlan, FileRecord, list[str]]]], int]:
     """3. Write this rank's files; every rank's records, by rank, and this rank's bytes."""
     sources = {s.name: s.source for s in flat.stored}
     remaining = len(mine)
@@ -490,7 +492,7 @@ async def _write_mine(
 
     if remaining == 0 and staged is not None:
         staged()
-    out: list[tuple[FilePlan, FileRecord]] = []
+    out: list[tuple[FilePlan, FileRecord, list[str]]] = []
     error: BaseException | None = None
     try:
         dirs: dict[int, str] = {}
@@ -509,19 +511,30 @@ async def _write_mine(
             src = sources[part.source]
             return src if part.rows is None else src[part.rows[0] : part.rows[1]]
 
-        async def one(f: FilePlan) -> tuple[FilePlan, FileRecord]:
+        async def one(f: FilePlan) -> tuple[FilePlan, FileRecord, list[str]]:
             layout = layout_file(list(f.dtypes), {"format": "pt"})
             path = os.path.join(dirs[f.directory], f.name)
+            # Every part gets a checksum of its own, so that a load can read and check
+            # just the rows it needs.
+            hasher = PartHasher(new_hasher(), [e.end - e.begin for e in layout.entries], new_hasher)
+            head = _HeadSkip(hasher, layout.data_offset)
             rec = await write_file(
-                be, path, probes[f.directory], pool, [layout.header, *(data(p) for p in f.parts)], one_written
+                be,
+                path,
+                probes[f.directory],
+                pool,
+                [layout.header, *(data(p) for p in f.parts)],
+                one_written,
+                hasher=head,
             )
-            return f, FileRecord(f.name, rec.nbytes, rec.checksum, layout.data_offset, f.directory)
+            record = FileRecord(f.name, rec.nbytes, rec.checksum, layout.data_offset, f.directory)
+            return f, record, hasher.part_digests()
 
         out = list(await asyncio.gather(*(one(f) for f in mine)))
     except Exception as exc:
         error = exc
     gathered = await exchange(out, error)
-    return gathered, sum(rec.nbytes for _, rec in out)
+    return gathered, sum(rec.nbytes for _, rec, _ in out)
 
 
 async def _commit(
@@ -529,7 +542,7 @@ async def _commit(
     pool: StagingPool,
     descs: Sequence[RankDesc],
     plan: SpreadPlan,
-    records: Sequence[Sequence[tuple[FilePlan, FileRecord]]],
+    records: Sequence[Sequence[tuple[FilePlan, FileRecord, list[str]]]],
     paths: Sequence[str],
     token: str,
     final: str,
@@ -543,19 +556,19 @@ async def _commit(
     whole: dict[str, TensorRecord] = {}
     slices: dict[str, list[SliceRecord]] = {}
     for per_rank in records:
-        for fp, rec in per_rank:
+        for fp, rec, digests in per_rank:
             files[fp.name] = rec
             layout = layout_file(list(fp.dtypes), {"format": "pt"})
-            for part, entry in zip(fp.parts, layout.entries, strict=True):
+            for part, entry, digest in zip(fp.parts, layout.entries, digests, strict=True):
                 base = rec.data_offset or 0
                 begin, end = base + entry.begin, base + entry.end
                 if part.target_rows is None:
                     whole[part.target] = TensorRecord(
-                        part.target, fp.name, begin, end, entry.dtype, entry.shape
+                        part.target, fp.name, begin, end, entry.dtype, entry.shape, digest
                     )
                 else:
                     slices.setdefault(part.target, []).append(
-                        SliceRecord(fp.name, begin, end, part.target_rows[0], part.target_rows[1])
+                        SliceRecord(fp.name, begin, end, part.target_rows[0], part.target_rows[1], digest)
                     )
     sliced = {
         name: SlicedRecord(
@@ -600,6 +613,26 @@ async def _commit(
 
 def _relative(final: str, parts: Sequence[str]) -> tuple[str, ...]:
     return (".", *(os.path.relpath(p, final) for p in parts))
+
+
+class _HeadSkip:
+    """Feeds the whole file to the file's checksum, and the bytes after the header to the
+    per-part hasher."""
+
+    def __init__(self, parts: PartHasher, header: int) -> None:
+        self._parts = parts
+        self._skip = header
+
+    def update(self, data: Any, /) -> None:
+        self._parts.whole.update(data)
+        with memoryview(data) as raw, raw.cast("B") as view:
+            skip = min(self._skip, len(view))
+            self._skip -= skip
+            if skip < len(view):
+                self._parts.update_parts(view[skip:])
+
+    def hexdigest(self) -> str:
+        return self._parts.hexdigest()
 
 
 def _remove_all(paths: Sequence[str]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import os
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -55,6 +56,42 @@ async def settle(tasks: Sequence[asyncio.Task[Any]]) -> None:
             t.exception()
     if cancelled:
         raise asyncio.CancelledError()
+
+
+class PartHasher:
+    """A file's checksum and, beside it, one checksum per part of the file (consecutive
+    byte ranges of the given lengths), from the same stream of updates."""
+
+    def __init__(self, whole: Any, lengths: Sequence[int], new: Any) -> None:
+        self.whole = whole
+        self.parts = [new() for _ in lengths]
+        self._ends = list(itertools.accumulate(lengths))
+        self._pos = 0
+        self._i = 0
+
+    def update(self, data: Buffer, /) -> None:
+        self.whole.update(data)
+        self.update_parts(data)
+
+    def update_parts(self, data: Buffer, /) -> None:
+        """The per-part checksums alone."""
+        with memoryview(data) as raw, raw.cast("B") as view:
+            off, n = 0, len(view)
+            while off < n:
+                while self._i < len(self._ends) and self._pos >= self._ends[self._i]:
+                    self._i += 1
+                if self._i == len(self._ends):
+                    return  # bytes past the last part (none are written)
+                take = min(n - off, self._ends[self._i] - self._pos)
+                self.parts[self._i].update(view[off : off + take])
+                off += take
+                self._pos += take
+
+    def hexdigest(self) -> str:
+        return str(self.whole.hexdigest())
+
+    def part_digests(self) -> list[str]:
+        return [str(h.hexdigest()) for h in self.parts]
 
 
 class FileWriter:

@@ -164,6 +164,33 @@ def test_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_sharded_state_saved_on_two_ranks_loads_into_three(tmp_path: Path, backend: str) -> None:
+    assert all("ok" in o for o in run_ranks("sharded", tmp_path, backend)), "save"
+    outs = run_ranks("load-sharded", tmp_path, backend, world=3)
+    assert all("ok" in o for o in outs), outs
+    assert [o["ok"]["rows"] for o in outs] == [[100, 64], [100, 64], [100, 64]]
+
+
+def test_each_rank_reads_and_checks_only_the_slices_it_needs(tmp_path: Path) -> None:
+    assert all("ok" in o for o in run_ranks("sharded", tmp_path, "threads")), "save"
+    manifest = json.loads((tmp_path / "a" / "ck" / "aiopersist.json").read_text())
+    first, second = manifest["sliced"]["e"]["slices"]  # rows 0..150 by rank 0, 150..300 by rank 1
+    assert second["rows"] == [150, 300]
+    path = tmp_path / "a" / "ck" / second["file"]
+    data = bytearray(path.read_bytes())
+    data[second["offsets"][1] - 1] ^= 0xFF  # rows 150..300 of "e" are now corrupt
+    path.write_bytes(bytes(data))
+    outs = run_ranks("load-sharded", tmp_path, "threads", world=3)
+    # Rank 0 needs rows 0..100 only: the corrupt slice is neither read nor needed.
+    assert "ok" in outs[0], outs[0]
+    for o in outs[1:]:  # rows 100..200 and 200..300 need the corrupt slice: caught
+        assert o.get("error") == "CheckpointCorruptError", o
+        assert "e[150:300]" in o["message"]
+    with pytest.raises(aiopersist.CheckpointCorruptError, match="e\\[150:300\\]"):
+        aiopersist.load_sync(tmp_path / "a" / "ck")  # one process needs every row
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_that_fails_fails_the_save_everywhere(tmp_path: Path, backend: str) -> None:
     outs = run_ranks("flatten-fails", tmp_path, backend)
     assert outs[1].get("error") == "UnsupportedStateError", outs
