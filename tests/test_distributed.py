@@ -174,7 +174,7 @@ def test_sharded_state_saved_on_two_ranks_loads_into_three(tmp_path: Path, backe
 def test_each_rank_reads_and_checks_only_the_slices_it_needs(tmp_path: Path) -> None:
     assert all("ok" in o for o in run_ranks("sharded", tmp_path, "threads")), "save"
     manifest = json.loads((tmp_path / "a" / "ck" / "aiopersist.json").read_text())
-    first, second = manifest["sliced"]["e"]["slices"]  # rows 0..150 by rank 0, 150..300 by rank 1
+    _, second = manifest["sliced"]["e"]["slices"]  # rows 0..150 by rank 0, 150..300 by rank 1
     assert second["rows"] == [150, 300]
     path = tmp_path / "a" / "ck" / second["file"]
     data = bytearray(path.read_bytes())

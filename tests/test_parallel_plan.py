@@ -109,3 +109,21 @@ def test_files_are_cut_at_max_shard_bytes() -> None:
     plan = plan_spread(descs, 1, 600 << 10)
     assert len(plan.files) == 3
     assert all(f.name.startswith("state-rank00000-dir00-0000") for f in plan.files)
+
+
+def test_part_hasher_splits_a_stream_into_parts() -> None:
+    import xxhash
+
+    from aiopersist._stream import PartHasher
+
+    data = bytes(range(256)) * 40
+    lengths = [0, 100, 1, 5000, 5139]
+    hasher = PartHasher(xxhash.xxh3_64(), lengths, xxhash.xxh3_64)
+    for chunk in (data[:7], data[7:4096], data[4096:4097], data[4097:]):  # boundaries anywhere
+        hasher.update(chunk)
+    assert hasher.hexdigest() == xxhash.xxh3_64_hexdigest(data)
+    expected, pos = [], 0
+    for n in lengths:
+        expected.append(xxhash.xxh3_64_hexdigest(data[pos : pos + n]))
+        pos += n
+    assert hasher.part_digests() == expected
