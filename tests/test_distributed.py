@@ -190,6 +190,31 @@ def test_each_rank_reads_and_checks_only_the_slices_it_needs(tmp_path: Path) -> 
         aiopersist.load_sync(tmp_path / "a" / "ck")  # one process needs every row
 
 
+def test_under_accelerate_launch(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    accelerate = Path(sys.executable).parent / "accelerate"
+    # --multi_gpu picks accelerate's torchrun launcher; Accelerator(cpu=True) then runs
+    # MULTI_CPU over gloo (accelerate's --cpu flag alone starts one process).
+    proc = subprocess.run(
+        [
+            str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(_free_port()), "-m", "tests._accelerate_worker", str(tmp_path),
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = sorted(
+        (json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")), key=lambda o: o["rank"]
+    )
+    assert [o["rank"] for o in outs] == [0, 1]
+    assert all(o["distributed"] == "DistributedType.MULTI_CPU" for o in outs)
+    assert all(o["bytes"] > 0 for o in outs)
+    back = aiopersist.load_sync(tmp_path / "a" / "ck")
+    for k, v in model_state()["model"].state_dict().items():
+        assert torch.equal(back["model"][k], v), k
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_that_fails_fails_the_save_everywhere(tmp_path: Path, backend: str) -> None:
     outs = run_ranks("flatten-fails", tmp_path, backend)
