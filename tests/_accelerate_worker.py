@@ -24,17 +24,14 @@ def main() -> None:
     info = asyncio.run(
         aiopersist.save({"model": accelerator.unwrap_model(model), "optim": optim}, paths, replicated=True)
     )
-    print(
-        json.dumps(
-            {
-                "rank": accelerator.process_index,
-                "world": accelerator.num_processes,
-                "distributed": str(accelerator.distributed_type),
-                "bytes": info.bytes_written,
-            }
-        ),
-        flush=True,
-    )
+    line = {
+        "rank": accelerator.process_index,
+        "world": accelerator.num_processes,
+        "distributed": str(accelerator.distributed_type),
+        "bytes": info.bytes_written,
+    }
+    sys.stdout.write(json.dumps(line) + "\n")  # one write: the ranks share one pipe
+    sys.stdout.flush()
     accelerator.wait_for_everyone()
 
 

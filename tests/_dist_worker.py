@@ -134,7 +134,9 @@ def main() -> None:
         out = {"ok": asyncio.run(scenario(name, int(rank), int(world), base, backend))}
     except Exception as exc:
         out = {"error": type(exc).__name__, "message": str(exc)}
-    print(json.dumps({"rank": int(rank), **out}), flush=True)
+    # One write per line: under a launcher the ranks share one pipe.
+    sys.stdout.write(json.dumps({"rank": int(rank), **out}) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
