@@ -45,15 +45,16 @@ class Coordinator:
         self.world_size = world_size
         self.local_rank = local_rank
         self.group = group
-        self._lock = asyncio.Lock()
 
     async def exchange(self, value: Any, error: BaseException | None = None) -> list[Any]:
         """Every rank's ``value``, by rank. If any rank reports an error (``error`` here),
         every rank raises: this rank its own ``error``, the others `RankFailedError`."""
         text = None if error is None else f"{type(error).__name__}: {error}"
         outcome = _Outcome(self.rank, None if error is not None else value, text)
-        async with self._lock:  # one collective at a time, in the same order on every rank
-            gathered = await asyncio.to_thread(self._all_gather, outcome)
+        # In a worker thread: the event loop goes on writing meanwhile. A save makes its
+        # exchanges one after another; concurrent saves over the same ranks are not
+        # supported (a Checkpointer with several ranks runs one at a time).
+        gathered = await asyncio.to_thread(self._all_gather, outcome)
         if error is not None:
             raise error
         failed = [o for o in gathered if o.error is not None]
