@@ -130,6 +130,22 @@ def plan_files(flat: Flattened, max_shard_bytes: int) -> list[PlannedFile]:
 # -- save -----------------------------------------------------------------------------------
 
 
+def countdown(count: int, staged: Callable[[], None] | None) -> Callable[[], None]:
+    """A callback to call once per file written: the ``count``-th call calls ``staged``
+    (at once when ``count`` is 0)."""
+    remaining = count
+
+    def one_written() -> None:
+        nonlocal remaining
+        remaining -= 1
+        if remaining == 0 and staged is not None:
+            staged()
+
+    if remaining == 0 and staged is not None:
+        staged()
+    return one_written
+
+
 async def write_file(
     be: IOBackend,
     path: str,
@@ -262,16 +278,7 @@ async def write_checkpoint(
     start = time.perf_counter()
     sources = {s.name: s.source for s in flat.stored}
     pickled = pickle.dumps(flat.pickled, protocol=pickle.HIGHEST_PROTOCOL) if flat.pickled else None
-    remaining = len(planned) + (pickled is not None)
-
-    def one_written() -> None:
-        nonlocal remaining
-        remaining -= 1
-        if remaining == 0 and staged is not None:
-            staged()
-
-    if remaining == 0 and staged is not None:
-        staged()
+    one_written = countdown(len(planned) + (pickled is not None), staged)
     async with atomic_directory(path, overwrite=overwrite, discard=discard or remove_path) as pending:
         dio = await asyncio.to_thread(probe_directory, pending.tmp)
         jobs = [

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ._api import SaveInfo, write_file
+from ._api import SaveInfo, countdown, write_file
 from ._backends import IOBackend, wait_uncancellable
 from ._commit import TMP_MARKER, fsync_directory, publish, remove_path
 from ._direct import probe_directory
@@ -482,16 +482,7 @@ async def _write_mine(
 ) -> tuple[list[list[tuple[FilePlan, FileRecord, list[str]]]], int]:
     """3. Write this rank's files; every rank's records, by rank, and this rank's bytes."""
     sources = {s.name: s.source for s in flat.stored}
-    remaining = len(mine)
-
-    def one_written() -> None:
-        nonlocal remaining
-        remaining -= 1
-        if remaining == 0 and staged is not None:
-            staged()
-
-    if remaining == 0 and staged is not None:
-        staged()
+    one_written = countdown(len(mine), staged)
     out: list[tuple[FilePlan, FileRecord, list[str]]] = []
     error: BaseException | None = None
     try:
