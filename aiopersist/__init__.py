@@ -18,6 +18,8 @@ from ._backends import create_backend as create_backend
 from ._backends import open_backend as open_backend
 from ._backends import probe_io_uring as probe_io_uring
 from ._blocking import BlockingCheckpointer as BlockingCheckpointer
+from ._blocking import BlockingCheckpointManager as BlockingCheckpointManager
+from ._blocking import BlockingManagedSaveHandle as BlockingManagedSaveHandle
 from ._blocking import BlockingSaveHandle as BlockingSaveHandle
 from ._checkpointer import Checkpointer as Checkpointer
 from ._checkpointer import SaveHandle as SaveHandle
@@ -34,6 +36,9 @@ from ._exceptions import DiskFullError as DiskFullError
 from ._exceptions import RankFailedError as RankFailedError
 from ._exceptions import StateMismatchError as StateMismatchError
 from ._exceptions import UnsupportedStateError as UnsupportedStateError
+from ._manager import CheckpointManager as CheckpointManager
+from ._manager import ManagedSaveHandle as ManagedSaveHandle
+from ._manager import StepInfo as StepInfo
 from ._rng import RNGState as RNGState
 from ._staging import StagingPool as StagingPool
 from ._stream import FileWriter as FileWriter
@@ -44,17 +49,21 @@ __version__ = "0.1.0"
 __all__ = [
     "AiopersistError",
     "BackendUnavailableError",
+    "BlockingCheckpointManager",
     "BlockingCheckpointer",
+    "BlockingManagedSaveHandle",
     "BlockingSaveHandle",
     "CheckpointCorruptError",
     "CheckpointExistsError",
     "CheckpointIOError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "Checkpointer",
     "DirectIOInfo",
     "DiskFullError",
     "FileWriter",
     "IOBackend",
+    "ManagedSaveHandle",
     "RNGState",
     "RankFailedError",
     "SaveHandle",
@@ -62,6 +71,7 @@ __all__ = [
     "SnapshotBudgetError",
     "StagingPool",
     "StateMismatchError",
+    "StepInfo",
     "UnsupportedStateError",
     "UringProbe",
     "VerifyReport",

@@ -9,13 +9,15 @@ GIL released.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ._api import PathArg, SaveInfo
 from ._checkpointer import Checkpointer, Mode, OnBusy, SaveHandle
+from ._manager import CheckpointManager, ManagedSaveHandle
 
 
 async def _await(fut: Any) -> Any:
@@ -149,3 +151,114 @@ class BlockingCheckpointer:
 
 async def _make(**kwargs: Any) -> Checkpointer:
     return Checkpointer(**kwargs)
+
+
+class BlockingManagedSaveHandle(BlockingSaveHandle):
+    """A `CheckpointManager` save, seen from a synchronous thread."""
+
+    def __init__(self, portal: BlockingPortal, managed: ManagedSaveHandle) -> None:
+        super().__init__(portal, managed.handle)
+        self.managed = managed
+
+    @property
+    def step(self) -> int:
+        return self.managed.step
+
+    def wait_mirrored(self) -> str | None:
+        """Block until the mirror has the step: its path there (``None`` without a
+        mirror); raises why the mirror could not take it."""
+        result: str | None = self._portal.call(_await, self.managed.mirrored)
+        return result
+
+
+class BlockingCheckpointManager:
+    """`CheckpointManager` with blocking calls, on an event loop in a background thread;
+    the same arguments. Close it (or use ``with``)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        mirror: str | os.PathLike[str] | None = None,
+        mirror_keep_last: int | None = None,
+        backend: str = "auto",
+        mode: Mode = "fence",
+    ) -> None:
+        self._portal_cm = start_blocking_portal("asyncio")
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self.manager = self._portal.call(
+                functools.partial(
+                    _make_manager,
+                    directory,
+                    keep_last=keep_last,
+                    keep_every=keep_every,
+                    mirror=mirror,
+                    mirror_keep_last=mirror_keep_last,
+                    backend=backend,
+                    mode=mode,
+                )
+            )
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+        self._closed = False
+
+    def save(
+        self,
+        step: int,
+        state: object,
+        *,
+        metadata: Mapping[str, str] | None = None,
+        overwrite: bool = False,
+        replicated: bool | Callable[[str], bool] | None = None,
+        group: Any = None,
+    ) -> BlockingManagedSaveHandle:
+        """Start saving step ``step``; see `CheckpointManager.save`."""
+        managed = self._portal.call(
+            functools.partial(
+                self.manager.save,
+                step,
+                state,
+                metadata=metadata,
+                overwrite=overwrite,
+                replicated=replicated,
+                group=group,
+            )
+        )
+        return BlockingManagedSaveHandle(self._portal, managed)
+
+    def steps(self) -> list[int]:
+        return self.manager.steps()
+
+    def latest(self) -> int | None:
+        return self.manager.latest()
+
+    def restore(self, step: int | None = None, *, into: object = None, **kwargs: Any) -> Any:
+        """Block while `CheckpointManager.restore` loads the step."""
+        return self._portal.call(functools.partial(self.manager.restore, step, into=into, **kwargs))
+
+    def wait(self) -> None:
+        """Block until the saves in flight, their retention and mirroring are over."""
+        self._portal.call(self.manager.wait)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._portal.call(self.manager.aclose)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> BlockingCheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _make_manager(directory: Any, *, backend: str, mode: Mode, **kwargs: Any) -> CheckpointManager:
+    return CheckpointManager(directory, backend=backend, mode=mode, **kwargs)

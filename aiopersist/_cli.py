@@ -541,6 +541,83 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- ls and gc ------------------------------------------------------------------------------
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from ._manager import scan
+
+    found = scan(os.path.abspath(args.dir), "local")
+    if args.mirror:
+        found += scan(os.path.abspath(args.mirror), "mirror")
+    found.sort(key=lambda s: (s.step, s.tier != "local"))
+    if args.json:
+        doc = [
+            {
+                "step": s.step,
+                "tier": s.tier,
+                "path": s.path,
+                "complete": s.complete,
+                "bytes": s.nbytes,
+                "problem": s.problem,
+            }
+            for s in found
+        ]
+        print(json.dumps(doc, indent=2))
+        return 0
+    if not found:
+        print(f"no step-N checkpoints in {args.dir}" + (f" or {args.mirror}" if args.mirror else ""))
+        return 0
+    rows = [
+        [
+            str(s.step),
+            s.tier,
+            "yes" if s.complete else "NO",
+            _human(s.nbytes) if s.complete else "-",
+            s.problem or "",
+        ]
+        for s in found
+    ]
+    print("\n".join(_table(["step", "tier", "complete", "size", "problem"], rows, right=(0, 3))))
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from ._commit import OLD_MARKER, TMP_MARKER
+    from ._manager import TRASH_MARKER, clean_leftovers, delete_step, scan, to_delete
+
+    directory = os.path.abspath(args.dir)
+    complete = [s for s in scan(directory) if s.complete]
+    doomed = to_delete([s.step for s in complete], args.keep_last, args.keep_every)
+    leftovers = []
+    if args.leftovers and os.path.isdir(directory):
+        leftovers = [
+            n
+            for n in sorted(os.listdir(directory))
+            if TMP_MARKER in n or TRASH_MARKER in n or OLD_MARKER in n
+        ]
+    verb = "deleting" if args.apply else "would delete"
+    for s in complete:
+        if s.step in doomed:
+            print(f"{verb} step-{s.step} ({_human(s.nbytes)})")
+    for name in leftovers:
+        print(f"{'removing' if args.apply else 'would remove'} leftover {name}")
+    kept = [s.step for s in complete if s.step not in doomed]
+    print(
+        f"keeping {len(kept)} complete step{'s' if len(kept) != 1 else ''}"
+        + (f": {', '.join(map(str, kept))}" if kept else "")
+    )
+    if not args.apply:
+        if doomed or leftovers:
+            print("dry run: pass --apply to delete")
+        return 0
+    for step in doomed:
+        delete_step(os.path.join(directory, f"step-{step}"))
+    if args.leftovers:
+        clean_leftovers([directory])
+    return 0
+
+
 # -- convert --------------------------------------------------------------------------------
 
 
@@ -753,6 +830,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--backend", choices=backends, default="auto", help="I/O backend (default: auto)")
     verify.set_defaults(func=_verify)
+
+    ls = sub.add_parser("ls", help="the step-N checkpoints of a CheckpointManager directory")
+    ls.add_argument("dir", help="the manager's directory")
+    ls.add_argument("--mirror", help="its mirror too")
+    ls.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+    ls.set_defaults(func=_ls)
+
+    gc = sub.add_parser("gc", help="apply retention to a CheckpointManager directory (dry run by default)")
+    gc.add_argument("dir", help="the manager's directory")
+    gc.add_argument("--keep-last", type=int, required=True, help="keep the newest N complete steps")
+    gc.add_argument("--keep-every", type=int, help="and every step divisible by K")
+    gc.add_argument(
+        "--leftovers",
+        action="store_true",
+        help="also remove leftovers of interrupted saves (not while a save runs)",
+    )
+    gc.add_argument("--apply", action="store_true", help="delete; without it, only print what would go")
+    gc.set_defaults(func=_gc)
 
     convert = sub.add_parser(
         "convert", help="write a checkpoint as one safetensors file or a torch.save file"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -104,3 +105,39 @@ def test_inspect_a_checkpoint_over_two_directories(tmp_path: Path) -> None:
     assert "missing" not in proc.stdout
     assert "state-rank00000-dir01.safetensors" in proc.stdout
     assert "slices in" in proc.stdout  # the big tensor is split between the two disks
+
+
+def test_ls_and_gc(tmp_path: Path) -> None:
+    import json
+
+    import torch
+
+    import aiopersist
+
+    with aiopersist.BlockingCheckpointManager(
+        tmp_path / "ck", mirror=tmp_path / "m", mirror_keep_last=1
+    ) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, {"w": torch.full((1000,), float(step))}).wait()
+        mgr.wait()
+    (tmp_path / "ck" / "step-9").mkdir()  # no manifest: listed, not complete
+    (tmp_path / "ck" / ".step-5.aiopersist-tmp-0123456789ab").mkdir()
+    proc = _cli("ls", str(tmp_path / "ck"), "--mirror", str(tmp_path / "m"))
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("1", "local", "yes"), ("2", "local", "yes"), ("3", "local", "yes"),
+        ("4", "local", "yes"), ("4", "mirror", "yes"), ("9", "local", "NO"),
+    ]  # fmt: skip
+    doc = json.loads(_cli("ls", str(tmp_path / "ck"), "--json").stdout)
+    assert [d["step"] for d in doc if d["complete"]] == [1, 2, 3, 4]
+    dry = _cli("gc", str(tmp_path / "ck"), "--keep-last", "1", "--keep-every", "2", "--leftovers")
+    assert dry.returncode == 0, dry.stderr
+    assert "would delete step-1" in dry.stdout
+    assert "would delete step-3" in dry.stdout
+    assert "would remove leftover .step-5.aiopersist-tmp-0123456789ab" in dry.stdout
+    assert "dry run" in dry.stdout
+    assert sorted(os.listdir(tmp_path / "ck"))[0] == ".step-5.aiopersist-tmp-0123456789ab"  # nothing changed
+    done = _cli("gc", str(tmp_path / "ck"), "--keep-last", "1", "--keep-every", "2", "--leftovers", "--apply")
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(tmp_path / "ck")) == ["step-2", "step-4", "step-9"]

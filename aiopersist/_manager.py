@@ -1,0 +1,528 @@
+"""`CheckpointManager`: numbered checkpoints in a directory, with retention, a mirror tier,
+resume from the newest complete one, and cleanup of what a crash left behind.
+
+Layout: ``DIRECTORY/step-N`` for step ``N`` (a checkpoint directory as `save` writes
+it). A step counts only when it is *complete*: its manifest parses and checks out (it
+seals itself with a checksum) and every file it lists has the listed size. That takes
+reading the manifest, never the data.
+
+- **Retention**, after each commit, in the background: the newest ``keep_last`` complete
+  steps stay, and every step divisible by ``keep_every`` stays for good; the newest
+  complete step, any step being written, and any step being restored are never deleted.
+  A deletion first renames the step to a trash name (atomic), then removes it: a crash
+  midway leaves trash, which the next start removes, never a half-deleted step under
+  its name.
+- **Mirror**: after a local commit, every complete local step the mirror lacks (and its
+  own retention would keep) is copied there in the background with the same protocol
+  (temporary directory, every file and the directory fsynced, rename). A checkpoint
+  spread over several directories is gathered into one directory in the mirror. A
+  mirror that fails (missing, read-only, full) never stops local saves: the error is
+  logged and set on the save's ``mirrored`` future, and the next save tries again.
+- **Start**: leftovers of crashed saves and deletions are removed (temporary, trash and
+  replaced directories, parts that no checkpoint lists).
+
+With several ranks, every rank calls `save` (the checkpoint is spread over the ranks as
+in `aiopersist.save`), and rank 0 alone cleans up, applies retention and mirrors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._api import SaveInfo, _locate, file_directory, load
+from ._checkpointer import Checkpointer, Mode, SaveHandle
+from ._commit import OLD_MARKER, TMP_MARKER, fsync_directory, publish, remove_path
+from ._exceptions import AiopersistError, CheckpointNotFoundError, from_os_error
+from ._manifest import MANIFEST_NAME, dump_manifest
+from ._parallel import PART_PREFIX
+
+log = logging.getLogger("aiopersist")
+
+STEP_RE = re.compile(r"^step-(\d+)$")
+TRASH_MARKER = ".aiopersist-trash-"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step}"
+
+
+# -- what is on disk -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One ``step-N`` directory, as found on disk."""
+
+    step: int
+    path: str
+    tier: str
+    """``local`` or ``mirror``."""
+    complete: bool
+    nbytes: int
+    """Bytes of its files (all parts included), by the manifest; 0 when incomplete."""
+    problem: str | None = None
+    """Why it is not complete."""
+
+
+def check_step(path: str) -> tuple[bool, int, str | None]:
+    """Whether the checkpoint at ``path`` is complete (manifest valid, every file present
+    with its size), its size, and what is wrong otherwise. Reads no tensor data."""
+    try:
+        loc = _locate(path)
+    except (AiopersistError, OSError) as exc:
+        return False, 0, str(exc)
+    if loc.manifest is None:
+        return False, 0, f"no {MANIFEST_NAME}"
+    return True, sum(loc.sizes.values()), None
+
+
+def scan(directory: str, tier: str = "local") -> list[StepInfo]:
+    """Every ``step-N`` in ``directory``, by step."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise from_os_error(exc, "listdir", directory) from exc
+    out = []
+    for name in names:
+        m = STEP_RE.match(name)
+        if m is None:
+            continue
+        path = os.path.join(directory, name)
+        if not os.path.isdir(path):
+            continue
+        complete, nbytes, problem = check_step(path)
+        out.append(StepInfo(int(m.group(1)), path, tier, complete, nbytes, problem))
+    return sorted(out, key=lambda s: s.step)
+
+
+def to_delete(
+    steps: Sequence[int], keep_last: int | None, keep_every: int | None, protected: Collection[int] = ()
+) -> list[int]:
+    """The complete ``steps`` that retention deletes (pure). ``keep_last=None`` keeps all."""
+    ordered = sorted(set(steps))
+    if not ordered or keep_last is None:
+        return []
+    keep = set(ordered[-keep_last:]) if keep_last > 0 else set()
+    if keep_every:
+        keep |= {s for s in ordered if s % keep_every == 0}
+    keep.add(ordered[-1])  # never the newest complete one
+    keep |= set(protected)
+    return [s for s in ordered if s not in keep]
+
+
+def _parts_of(path: str) -> list[str]:
+    """The part directories the checkpoint at ``path`` lists (none for one directory)."""
+    try:
+        loc = _locate(path)
+    except (AiopersistError, OSError):
+        return []
+    if loc.manifest is None:
+        return []
+    return [os.path.normpath(os.path.join(path, d)) for d in loc.manifest.directories[1:]]
+
+
+def delete_step(path: str) -> None:
+    """Delete a checkpoint, crash-safely: renamed to a trash name first, then removed,
+    with its parts."""
+    parent, name = os.path.split(path)
+    trash = os.path.join(parent, f".{name}{TRASH_MARKER}{uuid.uuid4().hex[:12]}")
+    parts = _parts_of(path)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise from_os_error(exc, "rename", path) from exc
+    fsync_directory(parent)
+    for part in parts:
+        remove_path(part)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(part))  # the step's directory on that disk, if now empty
+    remove_path(trash)
+
+
+def clean_leftovers(directories: Sequence[str]) -> list[str]:
+    """Remove what crashed saves and deletions left: temporary, trash and replaced
+    directories in the first directory, and in the others the parts no checkpoint lists.
+    Returns what was removed."""
+    removed = []
+    primary = directories[0]
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(primary):
+            if TMP_MARKER in name or TRASH_MARKER in name or OLD_MARKER in name:
+                path = os.path.join(primary, name)
+                remove_path(path)
+                removed.append(path)
+    for extra in directories[1:]:
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(extra):
+                if STEP_RE.match(name) is None:
+                    continue
+                step_dir = os.path.join(extra, name)
+                wanted = set(_parts_of(os.path.join(primary, name)))
+                for part in os.listdir(step_dir):
+                    path = os.path.join(step_dir, part)
+                    if part.startswith(PART_PREFIX) and os.path.normpath(path) not in wanted:
+                        remove_path(path)
+                        removed.append(path)
+                with contextlib.suppress(OSError):
+                    os.rmdir(step_dir)  # only if empty
+    return removed
+
+
+def copy_step(src: str, mirror: str, step: int) -> str:
+    """Copy the complete checkpoint ``src`` to ``mirror/step-N``, atomically and durably,
+    gathered into one directory. Returns the new path."""
+    loc = _locate(src)
+    manifest = loc.manifest
+    assert manifest is not None
+    final = os.path.join(mirror, step_name(step))
+    parent = mirror
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{step_name(step)}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
+        os.mkdir(tmp)
+    except OSError as exc:
+        raise from_os_error(exc, "mkdir", parent) from exc
+    try:
+        for rec in manifest.files.values():
+            source = os.path.join(file_directory(loc.directory, manifest, rec), rec.name)
+            _copy_file(source, os.path.join(tmp, rec.name))
+        gathered = dataclasses.replace(
+            manifest,
+            files={n: dataclasses.replace(r, directory=0) for n, r in manifest.files.items()},
+            directories=(".",),
+        )
+        _write_durably(os.path.join(tmp, MANIFEST_NAME), dump_manifest(gathered))
+        for extra in os.listdir(loc.directory):  # an index or anything else beside the data
+            if extra != MANIFEST_NAME and extra not in manifest.files:
+                path = os.path.join(loc.directory, extra)
+                if os.path.isfile(path):
+                    _copy_file(path, os.path.join(tmp, extra))
+        publish(tmp, final, overwrite=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _copy_file(src: str, dst: str) -> None:
+    try:
+        with open(src, "rb") as fin, open(dst, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 8 << 20)
+            fout.flush()
+            os.fsync(fout.fileno())
+    except OSError as exc:
+        raise from_os_error(exc, "copy", dst) from exc
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise from_os_error(exc, "write", path) from exc
+
+
+# -- the manager ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class ManagedSaveHandle:
+    """A `CheckpointManager` save in progress: ``staged`` and ``done`` as for
+    `SaveHandle`; ``mirrored`` resolves once the mirror has the step (with its path,
+    ``None`` without a mirror or on ranks other than 0), or raises why it could not."""
+
+    step: int
+    handle: SaveHandle
+    mirrored: asyncio.Future[str | None]
+
+    @property
+    def staged(self) -> asyncio.Future[None]:
+        return self.handle.staged
+
+    @property
+    def done(self) -> asyncio.Future[SaveInfo | None]:
+        return self.handle.done
+
+    @property
+    def skipped(self) -> bool:
+        return self.handle.skipped
+
+    async def wait(self) -> SaveInfo | None:
+        return await self.handle.done
+
+
+def _is_rank0() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class CheckpointManager:
+    """Numbered checkpoints under ``directory``: see the module docstring.
+
+    ``directory`` may be a list of directories, one per disk, as for `save`'s ``path``
+    (the first holds the manifests). ``checkpointer`` is used for the saves (by default
+    a new `Checkpointer` with ``backend`` and ``mode``, closed by `aclose`).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        mirror: str | os.PathLike[str] | None = None,
+        mirror_keep_last: int | None = None,
+        checkpointer: Checkpointer | None = None,
+        backend: str = "auto",
+        mode: Mode = "fence",
+    ) -> None:
+        for name, value in (
+            ("keep_last", keep_last),
+            ("keep_every", keep_every),
+            ("mirror_keep_last", mirror_keep_last),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if isinstance(directory, str | os.PathLike):
+            dirs = [os.path.abspath(os.fspath(directory))]
+        else:
+            dirs = [os.path.abspath(os.fspath(d)) for d in directory]
+            if not dirs:
+                raise ValueError("directory: an empty list")
+        self.directories = dirs
+        self.directory = dirs[0]
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.mirror = os.path.abspath(os.fspath(mirror)) if mirror is not None else None
+        self.mirror_keep_last = mirror_keep_last
+        self._backend = backend
+        self._own = checkpointer is None
+        self.checkpointer = (
+            checkpointer if checkpointer is not None else Checkpointer(backend=backend, mode=mode)
+        )
+        self._rank0 = _is_rank0()
+        self._reading: set[str] = set()
+        self._writing: set[int] = set()
+        self._tasks: set[asyncio.Future[None]] = set()
+        self._mirror_lock: asyncio.Lock | None = None
+        self._closed = False
+        if self._rank0:
+            for d in dirs:
+                try:
+                    os.makedirs(d, exist_ok=True)
+                except OSError as exc:
+                    raise from_os_error(exc, "mkdir", d) from exc
+            removed = clean_leftovers(dirs)
+            if self.mirror is not None:
+                with contextlib.suppress(OSError):
+                    removed += clean_leftovers([self.mirror])
+            for path in removed:
+                log.info("aiopersist: removed %s, left by an interrupted save or deletion", path)
+
+    # -- what there is ------------------------------------------------------------------
+
+    def scan(self) -> list[StepInfo]:
+        """Every ``step-N`` in both tiers, complete or not (local first within a step)."""
+        found = scan(self.directory, "local")
+        if self.mirror is not None:
+            try:
+                found += scan(self.mirror, "mirror")
+            except AiopersistError as exc:  # an unavailable mirror hides nothing local
+                log.warning("aiopersist: the mirror %s cannot be read: %s", self.mirror, exc)
+        return sorted(found, key=lambda s: (s.step, s.tier != "local"))
+
+    def steps(self) -> list[int]:
+        """The complete steps, in either tier, oldest first."""
+        return sorted({s.step for s in self.scan() if s.complete})
+
+    def latest(self) -> int | None:
+        """The newest complete step, or ``None``."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- saving -------------------------------------------------------------------------
+
+    async def save(
+        self,
+        step: int,
+        state: object,
+        *,
+        metadata: Mapping[str, str] | None = None,
+        overwrite: bool = False,
+        replicated: bool | Callable[[str], bool] | None = None,
+        group: Any = None,
+    ) -> ManagedSaveHandle:
+        """Start saving ``state`` as step ``step``; returns once the save is started (see
+        `Checkpointer.save`). Retention and the mirror follow the commit, in the
+        background."""
+        if self._closed:
+            raise RuntimeError("the CheckpointManager is closed")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TypeError(f"step must be a non-negative int, got {step!r}")
+        loop = asyncio.get_running_loop()
+        paths = [os.path.join(d, step_name(step)) for d in self.directories]
+        meta = {"step": str(step), **(metadata or {})}
+        self._writing.add(step)
+        try:
+            handle = await self.checkpointer.save(
+                state, paths, metadata=meta, overwrite=overwrite, replicated=replicated, group=group
+            )
+        except BaseException:
+            self._writing.discard(step)
+            raise
+        managed = ManagedSaveHandle(step, handle, loop.create_future())
+        task = asyncio.ensure_future(self._after(managed))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return managed
+
+    async def _after(self, managed: ManagedSaveHandle) -> None:
+        mirrored = managed.mirrored
+        try:
+            try:
+                info = await asyncio.shield(managed.done)
+            except BaseException as exc:
+                _fail_quietly(mirrored, exc)
+                return
+            finally:
+                self._writing.discard(managed.step)
+            if info is None or not self._rank0:
+                _resolve(mirrored, None)
+                return
+            await asyncio.to_thread(self._retain, self.directory, self.keep_last, "local")
+            if self.mirror is None:
+                _resolve(mirrored, None)
+                return
+            try:
+                await self._sync_mirror()
+            except Exception as exc:
+                log.warning(
+                    "aiopersist: mirroring step %d to %s failed (retried after the next save): %s",
+                    managed.step,
+                    self.mirror,
+                    exc,
+                )
+                _fail_quietly(mirrored, exc)
+                return
+            path = os.path.join(self.mirror, step_name(managed.step))
+            there = await asyncio.to_thread(os.path.isdir, path)  # absent: the mirror's retention dropped it
+            _resolve(mirrored, path if there else None)
+        except BaseException as exc:
+            _fail_quietly(mirrored, exc)
+            raise
+
+    def _retain(self, directory: str, keep_last: int | None, tier: str) -> None:
+        complete = [s for s in scan(directory, tier) if s.complete]
+        protected = set(self._writing) | {
+            s.step for s in complete if os.path.normpath(s.path) in self._reading
+        }
+        for step in to_delete([s.step for s in complete], keep_last, self.keep_every, protected):
+            path = os.path.join(directory, step_name(step))
+            log.info("aiopersist: retention deletes %s", path)
+            delete_step(path)
+
+    async def _sync_mirror(self) -> None:
+        """Copy every complete local step the mirror lacks (and would keep) to it, oldest
+        first, then apply the mirror's retention."""
+        assert self.mirror is not None
+        if self._mirror_lock is None:
+            self._mirror_lock = asyncio.Lock()
+        async with self._mirror_lock:
+            local = [s for s in scan(self.directory, "local") if s.complete]
+            there = {s.step for s in scan(self.mirror, "mirror") if s.complete}
+            wanted = [s.step for s in local if s.step not in there]
+            keep = set(wanted) - set(
+                to_delete(sorted(there | set(wanted)), self.mirror_keep_last, self.keep_every)
+            )
+            for s in local:
+                if s.step in keep:
+                    await asyncio.to_thread(copy_step, s.path, self.mirror, s.step)
+            await asyncio.to_thread(self._retain, self.mirror, self.mirror_keep_last, "mirror")
+
+    # -- restoring ----------------------------------------------------------------------
+
+    def path_of(self, step: int | None = None) -> str:
+        """Where the complete ``step`` (the newest by default) is: the local tier when it
+        has it, else the mirror. Raises `CheckpointNotFoundError`."""
+        found = [s for s in self.scan() if s.complete and (step is None or s.step == step)]
+        if not found:
+            what = "no complete checkpoint" if step is None else f"no complete checkpoint of step {step}"
+            tiers = self.directory + (f" or {self.mirror}" if self.mirror else "")
+            raise CheckpointNotFoundError(f"{what} in {tiers}")
+        newest = max(s.step for s in found)
+        return next(s.path for s in found if s.step == newest)  # local sorts first
+
+    async def restore(self, step: int | None = None, *, into: object = None, **kwargs: Any) -> Any:
+        """Load the complete ``step`` (the newest by default) from whichever tier has it
+        (local first); arguments as for `aiopersist.load`. Retention does not delete it
+        while it is read."""
+        path = await asyncio.to_thread(self.path_of, step)
+        key = _norm(path)
+        self._reading.add(key)
+        try:
+            return await load(path, into=into, backend=kwargs.pop("backend", self._backend), **kwargs)
+        finally:
+            self._reading.discard(key)
+
+    # -- the end ------------------------------------------------------------------------
+
+    async def wait(self) -> None:
+        """Wait for the saves in flight, their retention and their mirroring."""
+        await self.checkpointer.wait()
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    async def aclose(self) -> None:
+        """Finish what is in flight (saves, retention, mirror), then release the
+        checkpointer if the manager made it."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.wait()
+        finally:
+            if self._own:
+                await self.checkpointer.aclose()
+
+    async def __aenter__(self) -> CheckpointManager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _norm(path: str) -> str:
+    return os.path.normpath(path)
+
+
+def _resolve(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _fail_quietly(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if fut.done():
+        return
+    if isinstance(exc, asyncio.CancelledError):
+        fut.cancel()
+        return
+    fut.set_exception(exc)
+    fut.exception()  # the error is on the handle for whoever asks; asyncio need not log it

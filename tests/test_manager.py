@@ -1,0 +1,335 @@
+"""CheckpointManager: numbered steps, retention, the mirror tier, startup cleanup, and
+the faults it must survive (a real kill -9, a real full file system, a mirror that
+comes and goes). Every I/O test runs on both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import aiopersist
+from aiopersist._manager import TRASH_MARKER, to_delete
+from tests.conftest import URING_OK
+
+BACKENDS = [
+    "threads",
+    pytest.param("io_uring", marks=pytest.mark.skipif(not URING_OK, reason="io_uring unavailable")),
+]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def state_of(step: int) -> dict[str, object]:
+    return {"w": torch.full((64, 64), float(step)), "b": torch.arange(10) + step, "step": step}
+
+
+def _names(d: Path) -> list[str]:
+    return sorted(os.listdir(d)) if d.exists() else []
+
+
+# -- retention, pure ------------------------------------------------------------------------
+
+
+def test_to_delete_keeps_the_newest_and_every_kth() -> None:
+    steps = [10, 20, 30, 40, 50, 60]
+    assert to_delete(steps, None, None) == []
+    assert to_delete(steps, 2, None) == [10, 20, 30, 40]
+    assert to_delete(steps, 2, 20) == [10, 30]
+    assert to_delete(steps, 1, None, protected={20}) == [10, 30, 40, 50]
+    assert to_delete([], 1, None) == []
+    assert to_delete([5], 1, 7) == []
+
+
+# -- the manager ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_steps_latest_restore(tmp_path: Path, backend: str) -> None:
+    async with aiopersist.CheckpointManager(tmp_path / "ck", backend=backend) as mgr:
+        assert mgr.steps() == []
+        assert mgr.latest() is None
+        with pytest.raises(aiopersist.CheckpointNotFoundError):
+            await mgr.restore()
+        for step in (1, 2, 10):
+            handle = await mgr.save(step, state_of(step))
+            await handle.staged
+            info = await handle.done
+            assert info is not None
+            assert info.path.endswith(f"step-{step}")
+        await mgr.wait()
+        assert mgr.steps() == [1, 2, 10]
+        assert mgr.latest() == 10
+        back = await mgr.restore()
+        assert back["step"] == 10
+        assert torch.equal(back["w"], torch.full((64, 64), 10.0))
+        old = await mgr.restore(2)
+        assert old["step"] == 2
+        target = state_of(0)
+        await mgr.restore(1, into=target)
+        assert torch.equal(target["w"], torch.full((64, 64), 1.0))  # type: ignore[arg-type]
+        with pytest.raises(aiopersist.CheckpointNotFoundError, match="step 3"):
+            await mgr.restore(3)
+        with pytest.raises(TypeError, match="non-negative int"):
+            await mgr.save(-1, state_of(0))
+        with pytest.raises(aiopersist.CheckpointExistsError):
+            await (await mgr.save(2, state_of(2))).done
+        assert mgr.steps() == [1, 2, 10]  # the failed save lost nothing
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_retention_keep_last_and_keep_every(tmp_path: Path, backend: str) -> None:
+    async with aiopersist.CheckpointManager(tmp_path, keep_last=2, keep_every=5, backend=backend) as mgr:
+        for step in range(1, 12):
+            await (await mgr.save(step, state_of(step))).done
+        await mgr.wait()
+        assert mgr.steps() == [5, 10, 11]
+        assert not [n for n in _names(tmp_path) if not n.startswith("step-")]  # no trash left
+
+
+@pytest.mark.asyncio
+async def test_an_incomplete_step_is_not_trusted(tmp_path: Path) -> None:
+    async with aiopersist.CheckpointManager(tmp_path) as mgr:
+        await (await mgr.save(1, state_of(1))).done
+        await (await mgr.save(2, state_of(2))).done
+    # A step directory whose manifest is gone, and one whose data file is truncated.
+    (tmp_path / "step-2" / "aiopersist.json").unlink()
+    (tmp_path / "step-3").mkdir()
+    mgr = aiopersist.CheckpointManager(tmp_path)
+    try:
+        assert mgr.steps() == [1]
+        assert mgr.latest() == 1
+        scan = {s.step: s for s in mgr.scan()}
+        assert not scan[2].complete
+        assert "aiopersist.json" in (scan[2].problem or "")
+        back = await mgr.restore()
+        assert back["step"] == 1
+    finally:
+        await mgr.aclose()
+
+
+@pytest.mark.asyncio
+async def test_start_removes_leftovers_of_crashes(tmp_path: Path) -> None:
+    async with aiopersist.CheckpointManager(tmp_path) as mgr:
+        await (await mgr.save(1, state_of(1))).done
+    for name in (
+        ".step-2.aiopersist-tmp-0123456789ab",
+        f".step-1{TRASH_MARKER}0123456789ab",
+        ".step-1.aiopersist-old-x",
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "junk").write_bytes(b"x")
+    with caplog_at_info() as records:
+        mgr = aiopersist.CheckpointManager(tmp_path)
+        await mgr.aclose()
+    assert _names(tmp_path) == ["step-1"]
+    assert any("interrupted" in r.getMessage() for r in records)
+
+
+class caplog_at_info:
+    def __enter__(self) -> list[logging.LogRecord]:
+        self.records: list[logging.LogRecord] = []
+        self.handler = logging.Handler()
+        self.handler.emit = self.records.append  # type: ignore[method-assign]
+        self.logger = logging.getLogger("aiopersist")
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_over_two_directories_and_orphan_parts(tmp_path: Path, backend: str) -> None:
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    async with aiopersist.CheckpointManager(dirs, keep_last=1, backend=backend) as mgr:
+        for step in (1, 2):
+            await (await mgr.save(step, {"w": torch.randn(1 << 19)})).done
+        await mgr.wait()
+        assert mgr.steps() == [2]
+        assert _names(tmp_path / "b") == ["step-2"]  # step 1's part went with it
+    orphan = tmp_path / "b" / "step-2" / "part-000000000000"
+    orphan.mkdir()
+    (tmp_path / "b" / "step-7" / "part-111111111111").mkdir(parents=True)
+    mgr = aiopersist.CheckpointManager(dirs)
+    await mgr.aclose()
+    assert not orphan.exists()
+    assert _names(tmp_path / "b") == ["step-2"]
+    assert len(_names(tmp_path / "b" / "step-2")) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_mirror_tier_and_losing_the_local_disk(tmp_path: Path, backend: str) -> None:
+    local, mirror = tmp_path / "local", tmp_path / "shared"
+    async with aiopersist.CheckpointManager(
+        local, keep_last=1, mirror=mirror, mirror_keep_last=2, backend=backend
+    ) as mgr:
+        for step in (1, 2, 3):
+            handle = await mgr.save(step, state_of(step))
+            await handle.done
+            assert await handle.mirrored == str(mirror / f"step-{step}")
+        await mgr.wait()
+        assert _names(local) == ["step-3"]
+        assert _names(mirror) == ["step-2", "step-3"]
+        assert mgr.steps() == [2, 3]
+    await aiopersist.verify(mirror / "step-2", backend=backend)
+    # The local disk is lost: restore comes from the mirror.
+    import shutil
+
+    shutil.rmtree(local)
+    mgr = aiopersist.CheckpointManager(local, mirror=mirror, backend=backend)
+    try:
+        assert mgr.latest() == 3
+        back = await mgr.restore()
+        assert back["step"] == 3
+    finally:
+        await mgr.aclose()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_mirror_of_a_checkpoint_over_two_directories_is_one_directory(
+    tmp_path: Path, backend: str
+) -> None:
+    async with aiopersist.CheckpointManager(
+        [tmp_path / "a", tmp_path / "b"], mirror=tmp_path / "m", backend=backend
+    ) as mgr:
+        await (await mgr.save(4, {"w": torch.randn(1 << 19), "n": 4})).mirrored
+    copy = tmp_path / "m" / "step-4"
+    assert sum(1 for n in _names(copy) if n.endswith(".safetensors")) == 2
+    report = await aiopersist.verify(copy, backend=backend)
+    assert all(str(copy) in f for f in report.files)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_mirror_unavailable_then_back(tmp_path: Path, backend: str) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"")  # the mirror lies under a file: every attempt fails
+    mirror = blocker / "mirror"
+    async with aiopersist.CheckpointManager(tmp_path / "local", mirror=mirror, backend=backend) as mgr:
+        with caplog_at_info() as records:
+            for step in (1, 2):
+                handle = await mgr.save(step, state_of(step))
+                assert (await handle.done) is not None  # local saves go on
+                with pytest.raises(aiopersist.CheckpointIOError):
+                    await handle.mirrored
+        assert any("mirroring step" in r.getMessage() for r in records)
+        assert mgr.steps() == [1, 2]
+        blocker.unlink()
+        blocker.mkdir()  # the mirror is back
+        handle = await mgr.save(3, state_of(3))
+        assert await handle.mirrored == str(mirror / "step-3")
+    assert _names(mirror) == ["step-1", "step-2", "step-3"]  # it caught up
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_disk_full_fails_the_save_keeps_the_rest(tmp_path: Path, backend: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], check=False).returncode:
+        pytest.skip("cannot mount tmpfs here")
+    try:
+        async with aiopersist.CheckpointManager(disk, backend=backend) as mgr:
+            await (await mgr.save(1, {"w": torch.full((1 << 18,), 1.0)})).done  # 1 MiB
+            filler = disk / "filler"
+            filler.write_bytes(b"\0" * (3 << 20))
+            with pytest.raises(aiopersist.DiskFullError) as caught:
+                await (await mgr.save(2, {"w": torch.full((1 << 19,), 2.0)})).done  # 2 MiB: no room
+            assert caught.value.errno == 28  # ENOSPC
+            assert mgr.steps() == [1]
+            back = await mgr.restore()
+            assert torch.equal(back["w"], torch.full((1 << 18,), 1.0))
+            assert _names(disk) == ["filler", "step-1"]  # nothing half-written left
+            filler.unlink()
+            await (await mgr.save(2, {"w": torch.full((1 << 19,), 2.0)})).done
+            assert mgr.steps() == [1, 2]
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_blocking_manager(tmp_path: Path) -> None:
+    with aiopersist.BlockingCheckpointManager(tmp_path, keep_last=1, mirror=tmp_path / "m") as mgr:
+        handle = mgr.save(5, state_of(5))
+        handle.wait_staged()
+        assert handle.wait() is not None
+        assert handle.wait_mirrored() == str(tmp_path / "m" / "step-5")
+        assert handle.step == 5
+        mgr.wait()
+        assert mgr.steps() == [5]
+        assert mgr.latest() == 5
+        assert mgr.restore()["step"] == 5
+
+
+# -- kill -9 ----------------------------------------------------------------------------------
+
+_SAVER = textwrap.dedent(
+    """
+    import asyncio, sys, torch, aiopersist
+
+    async def main(directory, backend):
+        async with aiopersist.CheckpointManager(directory, keep_last=3, backend=backend) as mgr:
+            step = (mgr.latest() or 0) + 1
+            print("ready", flush=True)
+            while True:
+                state = {"w": torch.full((1 << 18,), float(step)), "step": step}
+                handle = await mgr.save(step, state)
+                await handle.done
+                step += 1
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_kill_9_at_random_moments(tmp_path: Path, backend: str) -> None:
+    """20 trials: a process saving in a loop is killed at a random moment; each time the
+    newest complete step restores exactly what it saved, and no step directory is
+    incomplete."""
+    rng = random.Random(1234)
+    directory = tmp_path / "ck"
+    restored = []
+    for _ in range(20):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _SAVER, str(directory), backend, cwd=ROOT, stdout=asyncio.subprocess.PIPE
+        )
+        assert proc.stdout is not None
+        assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"ready"
+        await asyncio.sleep(rng.uniform(0.0, 0.6))
+        proc.kill()
+        await proc.wait()
+        mgr = aiopersist.CheckpointManager(directory, backend=backend)  # its start cleans up
+        try:
+            for info in mgr.scan():
+                assert info.complete, info  # nothing half-written under a step's name
+            assert not [n for n in _names(directory) if not n.startswith("step-")]
+            latest = mgr.latest()
+            if latest is not None:
+                back = await mgr.restore()
+                assert back["step"] == latest
+                assert torch.equal(back["w"], torch.full((1 << 18,), float(latest)))
+                restored.append(latest)
+        finally:
+            await mgr.aclose()
+    assert len(set(restored)) >= 5  # the trials really did interrupt a running loop
