@@ -245,7 +245,8 @@ async def test_disk_full_fails_the_save_keeps_the_rest(tmp_path: Path, backend: 
         pytest.skip("mounting a small tmpfs needs root")
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], check=False).returncode:
+    mount = ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)]
+    if (await asyncio.to_thread(subprocess.run, mount, check=False)).returncode:
         pytest.skip("cannot mount tmpfs here")
     try:
         async with aiopersist.CheckpointManager(disk, backend=backend) as mgr:
@@ -263,7 +264,7 @@ async def test_disk_full_fails_the_save_keeps_the_rest(tmp_path: Path, backend: 
             await (await mgr.save(2, {"w": torch.full((1 << 19,), 2.0)})).done
             assert mgr.steps() == [1, 2]
     finally:
-        subprocess.run(["umount", str(disk)], check=False)
+        await asyncio.to_thread(subprocess.run, ["umount", str(disk)], check=False)
 
 
 def test_blocking_manager(tmp_path: Path) -> None:
