@@ -99,6 +99,21 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
                     p.add_(1.0)
             info = await handle.done
         return {"bytes": info.bytes_written}
+    if name == "manager":
+        dirs = [os.path.join(base, "a"), os.path.join(base, "b")]
+        async with aiopersist.CheckpointManager(dirs, keep_last=1, backend=backend) as mgr:
+            for step in (1, 2, 3):
+                state = model_state(step)
+                handle = await mgr.save(step, state, replicated=True)
+                await handle.done
+            await mgr.wait()
+        dist.barrier()
+        mgr = aiopersist.CheckpointManager(dirs, backend=backend)
+        back = await mgr.restore()
+        await mgr.aclose()
+        ref = model_state(3)["model"].state_dict()
+        assert all(torch.equal(back["model"][k], v) for k, v in ref.items())
+        return {"steps": mgr.steps()}
     if name == "flatten-fails":
         state: dict[str, Any] = {"w": torch.ones(10)}
         if rank == 1:

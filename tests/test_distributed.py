@@ -216,6 +216,15 @@ def test_under_accelerate_launch(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_manager_over_two_ranks(tmp_path: Path, backend: str) -> None:
+    outs = run_ranks("manager", tmp_path, backend)
+    assert all("ok" in o for o in outs), outs
+    assert [o["ok"]["steps"] for o in outs] == [[3], [3]]  # rank 0's retention kept the newest
+    assert sorted(os.listdir(tmp_path / "a")) == ["step-3"]
+    assert sorted(os.listdir(tmp_path / "b")) == ["step-3"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rank_that_fails_fails_the_save_everywhere(tmp_path: Path, backend: str) -> None:
     outs = run_ranks("flatten-fails", tmp_path, backend)
     assert outs[1].get("error") == "UnsupportedStateError", outs
