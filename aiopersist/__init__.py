@@ -6,6 +6,7 @@ The implementation lives in private modules; this module only re-exports the pub
 from __future__ import annotations
 
 from ._api import SaveInfo as SaveInfo
+from ._api import TorchSave as TorchSave
 from ._api import VerifyReport as VerifyReport
 from ._api import load as load
 from ._api import load_sync as load_sync
@@ -72,6 +73,7 @@ __all__ = [
     "StagingPool",
     "StateMismatchError",
     "StepInfo",
+    "TorchSave",
     "UnsupportedStateError",
     "UringProbe",
     "VerifyReport",

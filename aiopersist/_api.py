@@ -130,6 +130,69 @@ def plan_files(flat: Flattened, max_shard_bytes: int) -> list[PlannedFile]:
 # -- save -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TorchSave:
+    """An object to write as ``torch.save`` would, into a file of a checkpoint.
+
+    The bytes ``torch.save`` produces go straight into the staging buffers (a file-like
+    object whose ``write`` feeds the engine): no copy of the object is made in memory, so
+    tensors in it are read while the file is written, as with the checkpoint's own
+    tensors (``staged`` waits for them too). ``torch.load(weights_only=True)`` reads the
+    file when the object holds only what it allows (state dicts do).
+    """
+
+    obj: object
+
+
+class _TorchSaveSink:
+    """What ``torch.save`` writes to, from a worker thread: each ``write`` is handed to the
+    `FileWriter` on the event loop, and returns once the bytes are in staging buffers."""
+
+    def __init__(self, writer: FileWriter, loop: asyncio.AbstractEventLoop) -> None:
+        self._writer = writer
+        self._loop = loop
+        self._pos = 0
+
+    def write(self, data: Any) -> int:
+        with memoryview(data) as view:
+            n = view.nbytes
+            if n:
+                asyncio.run_coroutine_threadsafe(self._writer.write(view), self._loop).result()
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+
+async def write_torch_save(
+    be: IOBackend,
+    path: str,
+    dio: DirectIOInfo,
+    pool: StagingPool,
+    obj: object,
+    written: Callable[[], None] | None = None,
+) -> FileRecord:
+    """Write ``torch.save(obj)``'s bytes as a new file through the engine, checksummed."""
+    hasher = new_hasher()
+    loop = asyncio.get_running_loop()
+    async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
+        sink = _TorchSaveSink(writer, loop)
+        await asyncio.to_thread(torch.save, obj, cast(Any, sink))
+        if written is not None:
+            written()
+    return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())
+
+
+ExtraFiles = Mapping[str, "bytes | TorchSave"]
+
+
 def countdown(count: int, staged: Callable[[], None] | None) -> Callable[[], None]:
     """A callback to call once per file written: the ``count``-th call calls ``staged``
     (at once when ``count`` is 0)."""
@@ -191,6 +254,7 @@ async def save(
     max_shard_bytes: int | None = None,
     replicated: bool | Callable[[str], bool] | None = None,
     group: Any = None,
+    extra_files: ExtraFiles | None = None,
 ) -> SaveInfo:
     """Save ``obj`` as a checkpoint directory at ``path``; durable when it returns.
 
@@ -217,6 +281,10 @@ async def save(
     ``DistributedDataParallel`` module and replicated DTensors are, and dim-0 sharded
     DTensors (FSDP2) are written by their owners as slices of one tensor. Anything else is
     this rank's own. `SaveInfo.bytes_written` is what this rank wrote.
+
+    ``extra_files`` maps file names to ``bytes`` or a [`TorchSave`][aiopersist.TorchSave]
+    to write beside the data (a ``config.json``, an ``optimizer.pt``): published with the
+    checkpoint, checksummed, listed in its manifest. One process and one directory only.
     """
     if metadata is not None and not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
@@ -243,8 +311,17 @@ async def save(
             if coord is None and len(paths) == 1:
                 assert isinstance(flat, Flattened)
                 return await write_checkpoint(
-                    be, pool, flat, plan_files(flat, shard), paths[0], metadata=metadata, overwrite=overwrite
+                    be,
+                    pool,
+                    flat,
+                    plan_files(flat, shard),
+                    paths[0],
+                    metadata=metadata,
+                    overwrite=overwrite,
+                    extra_files=extra_files,
                 )
+            if extra_files:
+                raise ValueError("extra_files: only for a save by one process into one directory")
             return await save_spread(
                 be,
                 pool,
@@ -271,14 +348,22 @@ async def write_checkpoint(
     overwrite: bool,
     staged: Callable[[], None] | None = None,
     discard: Callable[[str], None] | None = None,
+    extra_files: ExtraFiles | None = None,
 ) -> SaveInfo:
     """Write a flattened state as a checkpoint at ``path`` and publish it; the engine room of
     `save` and of `Checkpointer.save`. ``staged()`` is called once every tensor byte has
-    left the caller's tensors (copied into staging buffers), before the fsyncs."""
+    left the caller's tensors (copied into staging buffers), before the fsyncs.
+    ``extra_files`` are written beside the data, checksummed and listed in the manifest."""
     start = time.perf_counter()
     sources = {s.name: s.source for s in flat.stored}
     pickled = pickle.dumps(flat.pickled, protocol=pickle.HIGHEST_PROTOCOL) if flat.pickled else None
-    one_written = countdown(len(planned) + (pickled is not None), staged)
+    additions = dict(extra_files or {})
+    reserved = {pf.name for pf in planned} | {PICKLE_FILE, MANIFEST_NAME, MODEL_INDEX}
+    for name in additions:
+        safe_file_name(name, "extra_files")
+        if name in reserved:
+            raise ValueError(f"extra_files: {name!r} is a name the checkpoint itself uses")
+    one_written = countdown(len(planned) + (pickled is not None) + len(additions), staged)
     async with atomic_directory(path, overwrite=overwrite, discard=discard or remove_path) as pending:
         dio = await asyncio.to_thread(probe_directory, pending.tmp)
         jobs = [
@@ -296,6 +381,12 @@ async def write_checkpoint(
             jobs.append(
                 write_file(be, os.path.join(pending.tmp, PICKLE_FILE), dio, pool, [pickled], one_written)
             )
+        for name, content in additions.items():
+            target = os.path.join(pending.tmp, name)
+            if isinstance(content, TorchSave):
+                jobs.append(write_torch_save(be, target, dio, pool, content.obj, one_written))
+            else:
+                jobs.append(write_file(be, target, dio, pool, [content], one_written))
         records = await asyncio.gather(*jobs)
         files: dict[str, FileRecord] = {}
         tensors: dict[str, TensorRecord] = {}
@@ -311,7 +402,9 @@ async def write_checkpoint(
                     entry.shape,
                 )
         if pickled is not None:
-            files[PICKLE_FILE] = records[-1]
+            files[PICKLE_FILE] = records[len(planned)]
+        for rec in records[len(planned) + (pickled is not None) :]:
+            files[rec.name] = rec
         manifest = Manifest(
             files=files,
             tensors=tensors,
@@ -746,8 +839,6 @@ async def _load_manifest(
     # all of it); files that hold only other ranks' tensors are not read at all.
     wanted_files = {t.file for t in manifest.tensors.values() if t.name in needed}
     wanted_files |= {p.file for sl in manifest.sliced.values() if sl.name in needed for p in sl.slices}
-    if manifest.version < 2:
-        wanted_files = set(manifest.files)
     segments: dict[str, list[_Segment]] = {name: [] for name in manifest.files}
     stored: dict[str, torch.Tensor] = {}
     for t in sorted(manifest.tensors.values(), key=lambda t: (t.file, t.begin)):

@@ -15,7 +15,7 @@ from typing import Any
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from ._api import PathArg, SaveInfo
+from ._api import ExtraFiles, PathArg, SaveInfo
 from ._checkpointer import Checkpointer, Mode, OnBusy, SaveHandle
 from ._manager import CheckpointManager, ManagedSaveHandle
 
@@ -108,6 +108,7 @@ class BlockingCheckpointer:
         allow_pickle: bool = False,
         replicated: bool | Callable[[str], bool] | None = None,
         group: Any = None,
+        extra_files: ExtraFiles | None = None,
     ) -> BlockingSaveHandle:
         """Start a save; returns once it is planned and started (see `Checkpointer.save`)."""
         handle = self._portal.call(
@@ -120,6 +121,7 @@ class BlockingCheckpointer:
                 allow_pickle=allow_pickle,
                 replicated=replicated,
                 group=group,
+                extra_files=extra_files,
             )
         )
         return BlockingSaveHandle(self._portal, handle)

@@ -27,6 +27,7 @@ import torch
 
 from . import _knobs
 from ._api import (
+    ExtraFiles,
     PathArg,
     PlannedFile,
     SaveInfo,
@@ -151,6 +152,7 @@ class Checkpointer:
         allow_pickle: bool = False,
         replicated: bool | Callable[[str], bool] | None = None,
         group: Any = None,
+        extra_files: ExtraFiles | None = None,
     ) -> SaveHandle:
         """Start saving ``state`` to ``path``; returns once the save is planned and started.
 
@@ -159,6 +161,7 @@ class Checkpointer:
         ``path`` may list several directories, and under ``torch.distributed`` every rank
         calls `save`, as for [`aiopersist.save`][aiopersist.save] (``replicated``,
         ``group``); ``staged`` then means this rank's bytes are out of its tensors.
+        ``extra_files`` as for `aiopersist.save` (a `TorchSave` in it counts for ``staged``).
         """
         if self._closed:
             raise RuntimeError("the Checkpointer is closed")
@@ -187,6 +190,8 @@ class Checkpointer:
             planned: list[PlannedFile] = []
             flat: Flattened | Exception
             if coord is not None or len(paths) > 1:
+                if extra_files:
+                    raise ValueError("extra_files: only for a save by one process into one directory")
                 spread = _Spread(paths, coord, replicated)
                 try:
                     flat = flatten(state, allow_pickle=allow_pickle)
@@ -207,7 +212,9 @@ class Checkpointer:
         except BaseException:
             self._slots.release()
             raise
-        task = asyncio.ensure_future(self._run(handle, flat, planned, metadata, overwrite, spread))
+        task = asyncio.ensure_future(
+            self._run(handle, flat, planned, metadata, overwrite, spread, extra_files)
+        )
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._finished(t, handle))
         self._handles = [h for h in self._handles if not h.done.done()] + [handle]
@@ -256,6 +263,7 @@ class Checkpointer:
         metadata: Mapping[str, str] | None,
         overwrite: bool,
         spread: _Spread | None,
+        extra_files: ExtraFiles | None = None,
     ) -> None:
         assert self._backend is not None
         assert self._slots is not None
@@ -287,6 +295,7 @@ class Checkpointer:
                     overwrite=overwrite,
                     staged=lambda: _resolve(handle.staged, None),
                     discard=replaced.append,
+                    extra_files=extra_files,
                 )
         except BaseException as exc:
             _fail(handle.staged, exc)

@@ -169,3 +169,35 @@ async def test_replaced_checkpoint_is_deleted_after_done(backend_name: str, tmp_
     # after aclose every replaced checkpoint is gone; the newest is in place
     assert os.listdir(tmp_path) == ["c"]
     assert (await aiopersist.load(tmp_path / "c"))["step"] == 2
+
+
+async def test_extra_files_torch_save_stream_and_fence(tmp_path: Path, backend_name: str) -> None:
+    """A TorchSave in extra_files is written through the engine, loads with
+    torch.load(weights_only=True), is checksummed, and counts for `staged`."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    expected = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    backend = backend_name
+    async with aiopersist.Checkpointer(backend=backend) as ck:
+        handle = await ck.save(
+            model,
+            tmp_path / "ck",
+            extra_files={"optimizer.pt": aiopersist.TorchSave(opt.state_dict()), "config.json": b"{}"},
+        )
+        await handle.staged
+        with torch.no_grad():
+            for st in opt.state.values():
+                st["exp_avg"].add_(1.0)  # the optimizer moves on once staged
+        info = await handle.done
+    assert info is not None
+    assert {"model.safetensors", "optimizer.pt", "config.json", "aiopersist.json"} == set(info.files)
+    back = torch.load(tmp_path / "ck" / "optimizer.pt", weights_only=True)
+    for k, v in expected.items():
+        assert torch.equal(back["state"][0][k], v), k
+    report = await aiopersist.verify(tmp_path / "ck", backend=backend)
+    assert len(report.files) == 3
+    with pytest.raises(ValueError, match="uses"):
+        async with aiopersist.Checkpointer(backend=backend) as ck:
+            await (await ck.save(model, tmp_path / "x", extra_files={"aiopersist.json": b"{}"})).done
