@@ -1,0 +1,284 @@
+"""Asynchronous checkpoints for the Hugging Face ``Trainer``.
+
+``Trainer(..., callbacks=[AioPersistCallback()])`` checkpoints when the Trainer's own
+``save_strategy`` / ``save_steps`` say so, without stopping training for the write:
+
+1. at the end of a step (or epoch) where the Trainer would save, the callback takes the
+   save over (it clears ``control.should_save``) and starts an asynchronous save of the
+   model, the optimizer, the scheduler, the RNG states, ``trainer_state.json`` and
+   ``training_args.bin``;
+2. the next step's forward and backward run while it is written;
+3. right before the next optimizer step (``on_pre_optimizer_step``) it waits until every
+   byte has left the live tensors (the fence);
+4. at the end of training it waits until the last checkpoint is durable.
+
+The checkpoint is the Trainer's own layout, ``checkpoint-N/`` with ``model.safetensors``,
+``config.json``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
+``trainer_state.json`` and ``training_args.bin`` (plus aiopersist's manifest with
+checksums), so a stock ``Trainer`` resumes from it with
+``train(resume_from_checkpoint=...)``. ``optimizer.pt`` is the byte stream of
+``torch.save``, written through the engine as torch produces it. A checkpoint takes its
+``checkpoint-N`` name only once complete and durable, so ``get_last_checkpoint`` never
+picks a broken one. ``save_total_limit`` is honoured by step number, and only complete
+checkpoints count or are deleted.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import threading
+from typing import Any, cast
+
+import numpy as np
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from .._api import TorchSave
+from .._blocking import BlockingCheckpointer, BlockingSaveHandle
+from .._checkpointer import Mode
+from .._manager import delete_step
+
+log = logging.getLogger("aiopersist")
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _torch_bytes(obj: object) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _rng_states() -> dict[str, Any]:
+    """What ``Trainer._save_rng_state`` saves, in one process."""
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.random.get_rng_state()
+    return states
+
+
+def _complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        m = CHECKPOINT_RE.match(name)
+        if m is not None and os.path.isdir(os.path.join(run_dir, name)):
+            found.append((int(m.group(1)), os.path.join(run_dir, name)))
+    return sorted(found)
+
+
+class AioPersistCallback(TrainerCallback):
+    """Take over the Trainer's checkpoint saves and make them asynchronous.
+
+    ``backend`` and ``mode`` are as for `aiopersist.Checkpointer` (``fence``: no copy of
+    the state, the next optimizer step waits until it is staged; ``snapshot``: a host
+    copy first, within ``snapshot_bytes``).
+
+    Limits (checked at the start of training, with a clear error): one process only
+    (``world_size == 1``), no DeepSpeed (its optimizer step runs inside ``backward``,
+    before any fence could be waited on), no ``load_best_model_at_end`` (the Trainer
+    tracks the best checkpoint inside the save this callback replaces). With
+    ``push_to_hub`` the checkpoints are not pushed (a warning says so). Other callbacks'
+    ``on_save`` is not called for these saves.
+    """
+
+    def __init__(
+        self, *, backend: str = "auto", mode: Mode = "fence", snapshot_bytes: int | None = None
+    ) -> None:
+        self.backend = backend
+        self.mode = mode
+        self.snapshot_bytes = snapshot_bytes
+        self._ckpt: BlockingCheckpointer | None = None
+        self._handle: BlockingSaveHandle | None = None
+        self._deleter: threading.Thread | None = None
+        self.saved: list[str] = []
+        """Paths of the checkpoints committed so far, oldest first."""
+
+    # -- events ---------------------------------------------------------------------------
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if args.world_size > 1:
+            raise ValueError(
+                f"AioPersistCallback supports one training process; this run has world_size={args.world_size}"
+            )
+        if getattr(args, "deepspeed", None):
+            raise ValueError(
+                "AioPersistCallback cannot be used with DeepSpeed: its optimizer step runs inside "
+                "backward(), so there is no point before it where the fence could be waited on"
+            )
+        if args.load_best_model_at_end:
+            raise ValueError(
+                "AioPersistCallback does not support load_best_model_at_end: the Trainer tracks the best "
+                "checkpoint inside the save this callback takes over"
+            )
+        if args.push_to_hub:
+            log.warning("aiopersist: checkpoints saved by AioPersistCallback are not pushed to the Hub")
+        if self._ckpt is None:
+            self._ckpt = BlockingCheckpointer(
+                backend=self.backend, mode=self.mode, snapshot_bytes=self.snapshot_bytes
+            )
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._maybe_save(args, state, control, **kwargs)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._maybe_save(args, state, control, **kwargs)
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._handle is not None:
+            self._handle.wait_staged()  # the fence: raises the save's error, if any
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        try:
+            self._finish_last(args)
+        finally:
+            if self._deleter is not None:
+                self._deleter.join()
+            if self._ckpt is not None:
+                self._ckpt.close()
+                self._ckpt = None
+
+    # -- the save -------------------------------------------------------------------------
+
+    def _maybe_save(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Any = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        processing_class: Any = None,
+        **_: Any,
+    ) -> None:
+        if not control.should_save:
+            return
+        control_state = control.state()  # as the Trainer's own save would record it
+        control.should_save = False  # the Trainer's own save is taken over
+        if not args.should_save or self._ckpt is None or model is None:
+            return
+        path = os.path.join(_output_dir(args), f"checkpoint-{state.global_step}")
+        extra: dict[str, bytes | TorchSave] = {}
+        config = getattr(model, "config", None)
+        if config is not None:
+            extra["config.json"] = config.to_json_string().encode()
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and getattr(model, "can_generate", lambda: False)():
+            extra["generation_config.json"] = generation.to_json_string().encode()
+        if not args.save_only_model:
+            if optimizer is not None:
+                extra["optimizer.pt"] = TorchSave(optimizer.state_dict())
+            if lr_scheduler is not None:
+                extra["scheduler.pt"] = _torch_bytes(lr_scheduler.state_dict())
+            extra["rng_state.pth"] = _rng_states_bytes()
+        # As the Trainer's own save does (the field is a dict once the state is built).
+        trainer_state = cast(Any, state)
+        if trainer_state.stateful_callbacks is None:
+            trainer_state.stateful_callbacks = {}
+        trainer_state.stateful_callbacks["TrainerControl"] = control_state
+        extra["trainer_state.json"] = (
+            json.dumps(_state_dict(state), indent=2, sort_keys=True) + "\n"
+        ).encode()
+        extra["training_args.bin"] = _torch_bytes(args)
+        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+            extra.update(_processing_files(processing_class))
+        previous = self._handle
+        # Waits here for the previous save if it is still being written (one in flight).
+        self._handle = self._ckpt.save(model, path, overwrite=True, extra_files=extra)
+        if previous is not None:
+            self._committed(args, previous)
+
+    def _finish_last(self, args: TrainingArguments) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._committed(args, handle)
+
+    def _committed(self, args: TrainingArguments, handle: BlockingSaveHandle) -> None:
+        info = handle.wait()  # raises the save's error
+        if info is None:
+            return
+        self.saved.append(info.path)
+        log.info(
+            "aiopersist: %s committed (%.2f s, %.2f GiB/s)", info.path, info.seconds, info.gib_per_second
+        )
+        self._rotate(args)
+
+    def _rotate(self, args: TrainingArguments) -> None:
+        """``save_total_limit``, by step number: only complete checkpoints count and go."""
+        limit = args.save_total_limit
+        if not limit or limit < 1:
+            return
+        complete = _complete_checkpoints(_output_dir(args))
+        doomed = [path for _, path in complete[:-limit]]
+        if not doomed:
+            return
+        if self._deleter is not None:
+            self._deleter.join()
+        self._deleter = threading.Thread(
+            target=_delete_all, args=(doomed,), name="aiopersist-rotate", daemon=True
+        )
+        self._deleter.start()
+
+
+def _output_dir(args: TrainingArguments) -> str:
+    if not args.output_dir:
+        raise ValueError("AioPersistCallback needs TrainingArguments.output_dir")
+    return str(args.output_dir)
+
+
+def _rng_states_bytes() -> bytes:
+    return _torch_bytes(_rng_states())
+
+
+def _state_dict(state: TrainerState) -> dict[str, Any]:
+    """What ``TrainerState.save_to_json`` writes."""
+    import dataclasses
+
+    return dataclasses.asdict(state)
+
+
+def _processing_files(processing_class: Any) -> dict[str, bytes | TorchSave]:
+    """A tokenizer's (or processor's) files, as ``save_pretrained`` writes them."""
+    import tempfile
+
+    out: dict[str, bytes | TorchSave] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        processing_class.save_pretrained(tmp)
+        for name in os.listdir(tmp):
+            full = os.path.join(tmp, name)
+            if os.path.isfile(full):
+                with open(full, "rb") as f:
+                    out[name] = f.read()
+    return out
+
+
+def _delete_all(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            delete_step(path)
+        except OSError as exc:
+            log.warning("aiopersist: could not delete %s: %s", path, exc)
+            shutil.rmtree(path, ignore_errors=True)

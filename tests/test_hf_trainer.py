@@ -1,0 +1,183 @@
+"""AioPersistCallback with a real Hugging Face Trainer: a tiny GPT-2 built from a config,
+trained on generated tokens, offline. Checkpoints written by the callback must be the
+Trainer's own, so that a stock Trainer resumes from them bit-exactly."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import aiopersist  # noqa: E402
+from aiopersist.integrations.transformers import AioPersistCallback  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int = 64, length: int = 16, vocab: int = 128) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.data = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+def _model() -> Any:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32, resid_pdrop=0.1, embd_pdrop=0.1
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _trainer(out: Path, callbacks: list[Any], max_steps: int = 8, **kw: Any) -> Any:
+    options: dict[str, Any] = {
+        "output_dir": str(out),
+        "max_steps": max_steps,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 1e-3,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "logging_steps": 1000,
+        "report_to": [],
+        "seed": 0,
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+    }
+    args = transformers.TrainingArguments(**{**options, **kw})
+    evaluate = Tokens(n=8) if options.get("eval_strategy", kw.get("eval_strategy", "no")) != "no" else None
+    return transformers.Trainer(
+        model=_model(), args=args, train_dataset=Tokens(), eval_dataset=evaluate, callbacks=callbacks
+    )
+
+
+def _weights(trainer: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+class _StopAt(transformers.TrainerCallback):  # type: ignore[misc]
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize("backend", ["threads", "io_uring"])
+def test_stock_trainer_resumes_bit_exactly_from_callback_checkpoints(tmp_path: Path, backend: str) -> None:
+    if backend == "io_uring" and not aiopersist.probe_io_uring().usable:
+        pytest.skip("io_uring unavailable")
+    # The reference: a stock Trainer, never interrupted, saving nothing.
+    stock = _trainer(tmp_path / "stock", [], save_strategy="no")
+    stock.train()
+    reference = _weights(stock)
+
+    # With the callback, interrupted after step 4.
+    callback = AioPersistCallback(backend=backend)
+    first = _trainer(tmp_path / "run", [callback, _StopAt(4)])
+    first.train()
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    assert callback.saved == [str(tmp_path / "run" / "checkpoint-2"), str(ckpt)]
+    names = set(os.listdir(ckpt))
+    assert {
+        "model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+        "trainer_state.json", "training_args.bin", "aiopersist.json",
+    } <= names  # fmt: skip
+    assert transformers.trainer_utils.get_last_checkpoint(str(tmp_path / "run")) == str(ckpt)
+    opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert set(opt) == {"state", "param_groups"}
+    report = __import__("asyncio").run(aiopersist.verify(ckpt))
+    assert {os.path.basename(f) for f in report.files} >= {"model.safetensors", "optimizer.pt"}
+
+    # A stock Trainer, knowing nothing of aiopersist, resumes and ends where the
+    # uninterrupted run ended: bit for bit.
+    resumed = _trainer(tmp_path / "run", [])
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    after = _weights(resumed)
+    for k, v in reference.items():
+        assert torch.equal(after[k], v), k
+
+    # from_pretrained reads the checkpoint directly.
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(ckpt))
+    state4 = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert state4["state"]  # the optimizer had state at step 4
+    assert torch.equal(loaded.transformer.wte.weight, loaded.lm_head.weight)  # tied, as saved
+
+
+def test_callback_run_matches_stock_run_and_honours_save_total_limit(tmp_path: Path) -> None:
+    stock = _trainer(tmp_path / "stock", [], save_strategy="no")
+    stock.train()
+    callback = AioPersistCallback()
+    mine = _trainer(tmp_path / "run", [callback], save_total_limit=2)
+    mine.train()
+    for k, v in _weights(stock).items():
+        assert torch.equal(_weights(mine)[k], v), k  # saving changed nothing in training
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-6", "checkpoint-8"]
+    assert len(callback.saved) == 4
+
+
+def test_callback_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    trainer = _trainer(
+        tmp_path / "run",
+        [AioPersistCallback()],
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+    )
+    with pytest.raises(ValueError, match="load_best_model_at_end"):
+        trainer.train()
+
+
+_TRAIN = """
+import sys
+sys.path.insert(0, {root!r})
+from tests.test_hf_trainer import AioPersistCallback, _trainer
+from pathlib import Path
+_trainer(Path({out!r}), [AioPersistCallback()], max_steps=10_000, save_steps=1).train()
+"""
+
+
+def test_kill_9_mid_save_resumes_from_the_previous_complete_checkpoint(tmp_path: Path) -> None:
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    root = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.Popen([sys.executable, "-c", _TRAIN.format(root=root, out=str(out))], cwd=root)
+    killed_mid_save = False
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            names = os.listdir(out) if out.exists() else []
+            complete = [n for n in names if n.startswith("checkpoint-")]
+            if len(complete) >= 2 and any(".aiopersist-tmp-" in n for n in names):
+                proc.send_signal(signal.SIGKILL)
+                killed_mid_save = True
+                break
+            time.sleep(0.002)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert killed_mid_save, "never saw a save in progress"
+    last = transformers.trainer_utils.get_last_checkpoint(str(out))
+    assert last is not None
+    assert ".aiopersist-tmp-" not in last
+    asyncio.run(aiopersist.verify(last))  # complete, every checksum right
+    step = int(last.rsplit("-", 1)[1])
+    resumed = _trainer(out, [], max_steps=step + 2, save_strategy="no")
+    resumed.train(resume_from_checkpoint=last)
+    assert resumed.state.global_step == step + 2
