@@ -22,7 +22,7 @@ demo: setup
 	$(VENV)/bin/aiopersist bench train --dir .demo-data --rounds 1 --steps 4 --hidden 1536 --layers 8
 
 check: setup
-	$(VENV)/bin/ruff check aiopersist tests setup.py
+	$(VENV)/bin/ruff check aiopersist tests integrations setup.py
 	$(VENV)/bin/mypy
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 

@@ -15,8 +15,50 @@ import aiopersist
 from tests._dist_worker import model_state
 
 
+def save_state_and_restore(base: str) -> None:
+    """Every rank: an async save_state through aiopersist, more training, then
+    accelerate's own load_state, which must bring back the weights, the optimizer and
+    this rank's RNG state."""
+    import torch
+
+    from aiopersist.integrations.accelerate import save_state_blocking
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(100 + accelerator.process_index)  # a different RNG state per rank
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = accelerator.prepare(model, opt)
+
+    def step() -> None:
+        accelerator.backward(model(torch.randn(4, 32)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state().clone()
+    with aiopersist.BlockingCheckpointer() as ck:
+        handle = save_state_blocking(accelerator, os.path.join(base, "ck"), checkpointer=ck)
+        handle.wait_staged()
+        step()
+        handle.wait()
+    accelerator.wait_for_everyone()
+    step()
+    accelerator.load_state(os.path.join(base, "ck"))
+    restored = all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    restored = restored and torch.equal(torch.get_rng_state(), rng)
+    line = {"rank": accelerator.process_index, "restored": bool(restored)}
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
+    accelerator.wait_for_everyone()
+
+
 def main() -> None:
     base = sys.argv[1]
+    if sys.argv[2:] == ["save-state"]:
+        save_state_and_restore(base)
+        return
     accelerator = Accelerator(cpu=True)
     state = model_state()
     model, optim = accelerator.prepare(state["model"], state["optim"])
