@@ -18,8 +18,8 @@ test: setup
 
 demo: setup
 	$(VENV)/bin/aiopersist doctor .
-	$(VENV)/bin/aiopersist demo --dir .demo-data
-	$(VENV)/bin/aiopersist bench train --dir .demo-data --rounds 1 --steps 4 --hidden 1536 --layers 8
+	HF_HUB_OFFLINE=1 $(VENV)/bin/aiopersist demo-trainer --dir .demo-data/trainer
+	$(VENV)/bin/aiopersist demo --dir .demo-data/engine --size-mib 512
 
 check: setup
 	$(VENV)/bin/ruff check aiopersist tests integrations setup.py

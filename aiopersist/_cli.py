@@ -55,6 +55,15 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_trainer(args: argparse.Namespace) -> int:
+    from ._demo_trainer import run_demo
+
+    if args.steps < 2 * args.every:
+        print("aiopersist demo-trainer: --steps must be at least twice --every", file=sys.stderr)
+        return 2
+    return 0 if run_demo(os.path.abspath(args.dir), steps=args.steps, every=args.every) else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
@@ -769,6 +778,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
     demo.add_argument("--keep", action="store_true", help="keep the checkpoints")
     demo.set_defaults(func=_demo)
+
+    trainer = sub.add_parser(
+        "demo-trainer",
+        help="the HF Trainer with AioPersistCallback: overhead, and a resume after kill -9",
+    )
+    trainer.add_argument("--dir", default=".demo-data/trainer", help="where the runs go (emptied first)")
+    trainer.add_argument("--steps", type=int, default=30, help="training steps per run (default: 30)")
+    trainer.add_argument("--every", type=int, default=5, help="checkpoint every N steps (default: 5)")
+    trainer.set_defaults(func=_demo_trainer)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -141,3 +141,17 @@ def test_ls_and_gc(tmp_path: Path) -> None:
     done = _cli("gc", str(tmp_path / "ck"), "--keep-last", "1", "--keep-every", "2", "--leftovers", "--apply")
     assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(tmp_path / "ck")) == ["step-2", "step-4", "step-9"]
+
+
+def test_demo_trainer_small(tmp_path: Path) -> None:
+    proc = _cli("demo-trainer", "--dir", str(tmp_path / "d"), "--steps", "10", "--every", "2")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "MATCH the uninterrupted run" in proc.stdout
+    for label in ("no checkpoints", "stock Trainer saving", "AioPersistCallback"):
+        assert label in proc.stdout
+
+
+def test_demo_trainer_rejects_too_few_steps(tmp_path: Path) -> None:
+    proc = _cli("demo-trainer", "--dir", str(tmp_path / "d"), "--steps", "3", "--every", "2")
+    assert proc.returncode == 2
+    assert "--steps" in proc.stderr

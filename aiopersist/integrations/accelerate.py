@@ -10,7 +10,9 @@
   optimizer's streamed through the engine);
 - ``random_states_<rank>.pkl`` for every process;
 - ``scaler.pt`` with mixed precision, and ``custom_checkpoint_<i>.pkl`` for objects
-  registered with ``register_for_checkpointing``.
+  registered with ``register_for_checkpointing``;
+- ``sampler.bin`` and ``dl_state_dict.bin`` where ``save_state`` writes them (the sampler
+  of a sharded iterable dataset, the state of a stateful data loader).
 
 It returns once the save is started. Call ``await handle.staged`` (or
 ``handle.wait_staged()`` from a synchronous loop with `save_state_blocking`) before the
@@ -72,6 +74,19 @@ def _plan(accelerator: Any) -> tuple[object, dict[str, bytes | TorchSave], Any]:
         extra["optimizer.bin" if i == 0 else f"optimizer_{i}.bin"] = TorchSave(opt.state_dict())
     for i, sched in enumerate(accelerator._schedulers):
         extra["scheduler.bin" if i == 0 else f"scheduler_{i}.bin"] = _torch_bytes(sched.state_dict())
+    for i, loader in enumerate(accelerator._dataloaders):
+        # As save_accelerator_state does: the seedable sampler of a sharded iterable
+        # dataset, and the state of a stateful data loader.
+        from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler  # type: ignore[import-untyped]
+
+        if isinstance(loader.dataset, IterableDatasetShard):
+            sampler = loader.get_sampler()
+            if isinstance(sampler, SeedableRandomSampler):
+                extra["sampler.bin" if i == 0 else f"sampler_{i}.bin"] = _torch_bytes(sampler)
+        if getattr(loader, "use_stateful_dataloader", False):
+            extra["dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"] = _torch_bytes(
+                loader.state_dict()
+            )
     if accelerator.scaler is not None:
         extra["scaler.pt"] = _torch_bytes(accelerator.scaler.state_dict())
     for i, obj in enumerate(accelerator._custom_objects):

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .._api import TorchSave
+from .._api import SaveInfo, TorchSave
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode
 from .._manager import delete_step
@@ -106,6 +106,8 @@ class AioPersistCallback(TrainerCallback):
         self._deleter: threading.Thread | None = None
         self.saved: list[str] = []
         """Paths of the checkpoints committed so far, oldest first."""
+        self.infos: list[SaveInfo] = []
+        """What each committed save did (its `SaveInfo`), oldest first."""
 
     # -- events ---------------------------------------------------------------------------
 
@@ -221,6 +223,7 @@ class AioPersistCallback(TrainerCallback):
         if info is None:
             return
         self.saved.append(info.path)
+        self.infos.append(info)
         log.info(
             "aiopersist: %s committed (%.2f s, %.2f GiB/s)", info.path, info.seconds, info.gib_per_second
         )
