@@ -13,7 +13,8 @@
 4. at the end of training it waits until the last checkpoint is durable.
 
 The checkpoint is the Trainer's own layout, ``checkpoint-N/`` with ``model.safetensors``,
-``config.json``, ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``,
+``config.json``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` (with a gradient
+scaler), ``rng_state.pth``,
 ``trainer_state.json`` and ``training_args.bin`` (plus aiopersist's manifest with
 checksums), so a stock ``Trainer`` resumes from it with
 ``train(resume_from_checkpoint=...)``. ``optimizer.pt`` is the byte stream of
@@ -195,6 +196,10 @@ class AioPersistCallback(TrainerCallback):
                 extra["optimizer.pt"] = TorchSave(optimizer.state_dict())
             if lr_scheduler is not None:
                 extra["scheduler.pt"] = _torch_bytes(lr_scheduler.state_dict())
+            # The Trainer's GradScaler (fp16 on GPU) hangs on its AcceleratedOptimizer.
+            scaler = getattr(optimizer, "scaler", None)
+            if scaler is not None:
+                extra["scaler.pt"] = _torch_bytes(scaler.state_dict())
             extra["rng_state.pth"] = _rng_states_bytes()
         # As the Trainer's own save does (the field is a dict once the state is built).
         trainer_state = cast(Any, state)
