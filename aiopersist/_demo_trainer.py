@@ -10,9 +10,10 @@ a small GPT-2 is trained for ``steps`` steps, checkpointing every ``every`` step
    checkpoint; a stock Trainer, knowing nothing of aiopersist, then resumes from the
    newest complete checkpoint (``get_last_checkpoint``) and trains to the end.
 
-It prints the median step time of each run and its overhead, the checkpoint's size and
-write speed, and whether the resumed run ends with exactly the weights of the
-uninterrupted one.
+Runs 1 to 3 are made twice, interleaved (1 2 3 3 2 1), after a short warm-up run. It
+prints the median step time of each and its overhead, the checkpoint's size and write
+speed, and whether the resumed run ends with exactly the weights of the uninterrupted
+one.
 """
 
 from __future__ import annotations
@@ -142,8 +143,16 @@ def _dir_bytes(path: str) -> int:
 
 
 def _timed(
-    label: str, out_dir: str, shape: Shape, steps: int, every: int | None, aio: bool, progress: TextIO | None
-) -> tuple[Run, dict[str, torch.Tensor]]:
+    label: str,
+    out_dir: str,
+    shape: Shape,
+    steps: int,
+    every: int | None,
+    aio: bool,
+    progress: TextIO | None,
+) -> tuple[list[float], list[float], int | None, dict[str, torch.Tensor]]:
+    """One run: its step times, its save times, the checkpoint's size, the final weights."""
+    shutil.rmtree(out_dir, ignore_errors=True)
     clock = _Clock(label, steps, progress)
     callbacks: list[Any] = [clock]
     callback = AioPersistCallback() if aio else None
@@ -154,16 +163,12 @@ def _timed(
     if progress is not None:
         progress.write("\n")
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    step = statistics.median(clock.step_times())
-    save_s = size = None
+    saves: list[float] = []
+    size = None
     if every:
-        last = os.path.join(out_dir, f"checkpoint-{(steps // every) * every}")
-        size = _dir_bytes(last)
-        if callback is not None and callback.infos:
-            save_s = statistics.median(i.seconds for i in callback.infos)
-        elif clock.saves:
-            save_s = statistics.median(clock.saves)
-    return Run(label, step, save_s, size), weights
+        size = _dir_bytes(os.path.join(out_dir, f"checkpoint-{(steps // every) * every}"))
+        saves = [i.seconds for i in callback.infos] if callback is not None else list(clock.saves)
+    return clock.step_times(), saves, size, weights
 
 
 def _child(out_dir: str, steps: int, every: int) -> None:
@@ -184,13 +189,37 @@ def run_demo(directory: str, *, steps: int = 30, every: int = 5, out: TextIO = s
         f"{params / 1e6:.1f}M parameters), HF Trainer on generated tokens, {steps} steps, "
         f"a checkpoint every {every} steps\n"
     )
-    none, _ = _timed("no checkpoints", os.path.join(directory, "none"), shape, steps, None, False, out)
-    stock, _ = _timed(
-        "stock Trainer saving", os.path.join(directory, "stock"), shape, steps, every, False, out
-    )
-    aio, reference = _timed(
-        "AioPersistCallback", os.path.join(directory, "aio"), shape, steps, every, True, out
-    )
+    # Warm-up: the first training in a process pays for allocations and thread start.
+    build_trainer(os.path.join(directory, "warmup"), shape, 3, None, []).train()
+    modes = [
+        ("no checkpoints", "none", None, False),
+        ("stock Trainer saving", "stock", every, False),
+        ("AioPersistCallback", "aio", every, True),
+    ]
+    steps_of: dict[str, list[float]] = {m[0]: [] for m in modes}
+    saves_of: dict[str, list[float]] = {m[0]: [] for m in modes}
+    size_of: dict[str, int | None] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for rnd in range(2):  # interleaved: A B C, then C B A
+        for label, name, period, use_aio in modes if rnd == 0 else modes[::-1]:
+            times, saves, nbytes, weights = _timed(
+                f"{label} ({rnd + 1}/2)", os.path.join(directory, name), shape, steps, period, use_aio, out
+            )
+            steps_of[label] += times
+            saves_of[label] += saves
+            size_of[label] = nbytes
+            if use_aio:
+                reference = weights
+    runs = [
+        Run(
+            label,
+            statistics.median(steps_of[label]),
+            statistics.median(saves_of[label]) if saves_of[label] else None,
+            size_of[label],
+        )
+        for label, _, _, _ in modes
+    ]
+    none, stock, aio = runs
 
     # Killed mid-save, then resumed by a stock Trainer.
     run_dir = os.path.join(directory, "killed")
