@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import json
+import math
 import os
 import pickle
 import time
@@ -763,7 +764,7 @@ async def _load_parts(
         shape = (r1 - r0, *sl.shape[1:])
         dest = _allocate(shape, sl.dtype, first, loc.dio.direct and sl.nbytes >= pool.buffer_bytes, prefault)
         stored[name] = dest
-        rows = dest.reshape(r1 - r0, -1)
+        rows = dest.reshape(r1 - r0, math.prod(sl.shape[1:]))
         for p in overlapping:
             what = f"{name}[{p.row_start}:{p.row_end}]"
             if r0 <= p.row_start and p.row_end <= r1:
@@ -832,8 +833,17 @@ async def _load_manifest(
     if manifest.version >= 2 and manifest.pickle_file is None and _parts_checked(manifest, needed):
         parts = await _load_parts(be, loc, pool, prefault, needed, wants)
         for name, want in wants.items():
-            if name in parts:
-                parts[name] = _as_dtensor(parts[name], want)
+            if name not in parts:
+                continue
+            saved = manifest.sliced[name].shape if name in manifest.sliced else manifest.tensors[name].shape
+            if tuple(saved) != tuple(want.dtensor.shape):
+                raise StateMismatchError(
+                    f"{name}: shape {list(saved)} saved, {list(want.dtensor.shape)} here; nothing was loaded"
+                )
+            local = parts[name]
+            if want.rows is not None and name in manifest.tensors:  # stored whole: this rank's rows
+                local = local[want.rows[0] : want.rows[1]]
+            parts[name] = _as_dtensor(local, want)
         return _rebuild(state, parts, None)
     # Every file that holds a byte of a needed tensor is read whole (its checksum covers
     # all of it); files that hold only other ranks' tensors are not read at all.
@@ -857,7 +867,7 @@ async def _load_manifest(
             sl.shape, sl.dtype, first.begin, loc.dio.direct and sl.nbytes >= pool.buffer_bytes, prefault
         )
         stored[sl.name] = whole
-        rows = whole.reshape(sl.shape[0], -1)
+        rows = whole.reshape(sl.shape[0], math.prod(sl.shape[1:]))
         for piece in sl.slices:
             if piece.file in wanted_files:
                 dest = rows[piece.row_start : piece.row_end].reshape(-1).view(torch.uint8)

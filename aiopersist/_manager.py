@@ -22,7 +22,8 @@ reading the manifest, never the data.
   replaced directories, parts that no checkpoint lists).
 
 With several ranks, every rank calls `save` (the checkpoint is spread over the ranks as
-in `aiopersist.save`), and rank 0 alone cleans up, applies retention and mirrors.
+in `aiopersist.save`), and rank 0 alone cleans up, applies retention and mirrors. Make the
+manager after ``init_process_group``: its start-up cleanup runs on rank 0 only.
 """
 
 from __future__ import annotations
@@ -162,6 +163,16 @@ def clean_leftovers(directories: Sequence[str]) -> list[str]:
     removed = []
     primary = directories[0]
     with contextlib.suppress(FileNotFoundError):
+        for name in sorted(os.listdir(primary)):
+            if OLD_MARKER in name:
+                # Overwriting without renameat2 moves the old step aside, then the new one
+                # in: a crash between the two leaves the old one complete under this name.
+                step = name[1:].split(OLD_MARKER)[0]
+                final = os.path.join(primary, step)
+                if STEP_RE.match(step) and not os.path.lexists(final):
+                    os.rename(os.path.join(primary, name), final)
+                    fsync_directory(primary)
+                    continue
         for name in os.listdir(primary):
             if TMP_MARKER in name or TRASH_MARKER in name or OLD_MARKER in name:
                 path = os.path.join(primary, name)
@@ -321,6 +332,7 @@ class CheckpointManager:
         self._rank0 = _is_rank0()
         self._reading: set[str] = set()
         self._writing: set[int] = set()
+        self._mirroring: set[int] = set()
         self._tasks: set[asyncio.Future[None]] = set()
         self._mirror_lock: asyncio.Lock | None = None
         self._closed = False
@@ -404,7 +416,7 @@ class CheckpointManager:
                 return
             finally:
                 self._writing.discard(managed.step)
-            if info is None or not self._rank0:
+            if info is None or not _is_rank0():
                 _resolve(mirrored, None)
                 return
             await asyncio.to_thread(self._retain, self.directory, self.keep_last, "local")
@@ -431,7 +443,7 @@ class CheckpointManager:
 
     def _retain(self, directory: str, keep_last: int | None, tier: str) -> None:
         complete = [s for s in scan(directory, tier) if s.complete]
-        protected = set(self._writing) | {
+        protected = set(self._writing) | set(self._mirroring) | {
             s.step for s in complete if os.path.normpath(s.path) in self._reading
         }
         for step in to_delete([s.step for s in complete], keep_last, self.keep_every, protected):
@@ -449,12 +461,16 @@ class CheckpointManager:
             local = [s for s in scan(self.directory, "local") if s.complete]
             there = {s.step for s in scan(self.mirror, "mirror") if s.complete}
             wanted = [s.step for s in local if s.step not in there]
+            self._mirroring.update(wanted)  # local retention leaves them until copied
             keep = set(wanted) - set(
                 to_delete(sorted(there | set(wanted)), self.mirror_keep_last, self.keep_every)
             )
-            for s in local:
-                if s.step in keep:
-                    await asyncio.to_thread(copy_step, s.path, self.mirror, s.step)
+            try:
+                for s in local:
+                    if s.step in keep:
+                        await asyncio.to_thread(copy_step, s.path, self.mirror, s.step)
+            finally:
+                self._mirroring.difference_update(wanted)
             await asyncio.to_thread(self._retain, self.mirror, self.mirror_keep_last, "mirror")
 
     # -- restoring ----------------------------------------------------------------------

@@ -448,9 +448,7 @@ async def save_spread(
         # Once the primary is renamed into place the checkpoint is complete: its parts stay,
         # even if a rank then fails to hear about it.
         if rank == 0 and not committed:
-            await asyncio.to_thread(
-                _remove_all, [_primary_tmp(final, token)] + [_part_dir(p, token) for p in paths[1:]]
-            )
+            await asyncio.to_thread(_abort, final, token, paths)
         raise
     if rank == 0 and old_parts:
         # The replaced checkpoint's parts go after it (its primary went at the rename).
@@ -595,11 +593,24 @@ async def _commit(
     def durable_and_published() -> None:
         for part in parts:
             if os.path.isdir(part):
+                # The part, the disk's directory for the checkpoint, and the directory above
+                # it (the save may have created the one in between).
                 fsync_directory(part)
                 fsync_directory(os.path.dirname(part))
+                fsync_directory(os.path.dirname(os.path.dirname(part)))
         publish(tmp, final, overwrite, discard or remove_path)
 
     await wait_uncancellable(asyncio.ensure_future(asyncio.to_thread(durable_and_published)))
+
+
+def _abort(final: str, token: str, paths: Sequence[str]) -> None:
+    """Remove what a failed save wrote, unless its rename already published it (a failure
+    after the rename, e.g. of the parent's fsync, leaves a visible checkpoint whose parts
+    must stay)."""
+    parts = [_part_dir(p, token) for p in paths[1:]]
+    listed = {os.path.normpath(q) for q in _old_parts(final)}
+    published = any(os.path.normpath(p) in listed for p in parts)
+    _remove_all([_primary_tmp(final, token)] + ([] if published else parts))
 
 
 def _relative(final: str, parts: Sequence[str]) -> tuple[str, ...]:

@@ -32,7 +32,7 @@ def model_state(seed: int = 0) -> dict[str, Any]:
 
 def sharded_full(seed: int = 1) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    return {"w": torch.randn(13, 24), "b": torch.randn(5), "e": torch.randn(300, 64)}
+    return {"w": torch.randn(13, 24), "b": torch.randn(5), "e": torch.randn(300, 64), "s": torch.randn(2, 3)}
 
 
 async def scenario(name: str, rank: int, world: int, base: str, backend: str) -> Any:
@@ -56,6 +56,7 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
             "w": distribute_tensor(full["w"], mesh, [Shard(0)]),
             "b": distribute_tensor(full["b"], mesh, [Replicate()]),
             "e": distribute_tensor(full["e"], mesh, [Shard(0)]),
+            "s": distribute_tensor(full["s"], mesh, [Shard(0)]),
         }
         info = await aiopersist.save(state, paths[0], backend=backend)
         back = await aiopersist.load(paths[0], backend=backend)
@@ -72,8 +73,11 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         full = sharded_full()
         target = {
             "w": distribute_tensor(torch.zeros(13, 24), mesh, [Shard(0)]),
-            "b": distribute_tensor(torch.zeros(5), mesh, [Replicate()]),
+            # Saved whole (Replicate), loaded sharded: each rank takes its rows of it.
+            "b": distribute_tensor(torch.zeros(5), mesh, [Shard(0)]),
             "e": distribute_tensor(torch.zeros(300, 64), mesh, [Shard(0)]),
+            # 2 rows over 3 ranks: the last rank holds none.
+            "s": distribute_tensor(torch.zeros(2, 3), mesh, [Replicate()] if world < 3 else [Shard(0)]),
         }
         await aiopersist.load(paths[0], into=target, backend=backend)
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -334,3 +334,18 @@ async def test_kill_9_at_random_moments(tmp_path: Path, backend: str) -> None:
         finally:
             await mgr.aclose()
     assert len(set(restored)) >= 5  # the trials really did interrupt a running loop
+
+
+@pytest.mark.asyncio
+async def test_start_puts_back_a_step_moved_aside_by_an_interrupted_overwrite(tmp_path: Path) -> None:
+    """Without renameat2, an overwrite moves the old step aside first: if the process dies
+    before the new one is moved in, the next start puts the old one back."""
+    async with aiopersist.CheckpointManager(tmp_path) as mgr:
+        await (await mgr.save(1, state_of(1))).done
+    (tmp_path / "step-1").rename(tmp_path / ".step-1.aiopersist-old-0123456789ab")
+    mgr = aiopersist.CheckpointManager(tmp_path)
+    try:
+        assert mgr.steps() == [1]
+        assert (await mgr.restore())["step"] == 1
+    finally:
+        await mgr.aclose()
