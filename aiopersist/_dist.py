@@ -105,7 +105,10 @@ def coordinator(group: Any = None) -> Coordinator | None:
         # A group of the checkpoint's own: gloo whatever the training uses (NCCL on GPUs),
         # with the checkpoint's timeout, and never in the way of the training's collectives.
         try:
-            gloo = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+            # For a subgroup only its members call save: they alone make the group.
+            gloo = dist.new_group(
+                ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=group is not None
+            )
         except RuntimeError as exc:  # the store's timeout: a rank never came
             raise RankFailedError(
                 f"making the checkpoint's gloo group failed (a rank died or did not call save within "

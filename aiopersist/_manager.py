@@ -443,9 +443,11 @@ class CheckpointManager:
 
     def _retain(self, directory: str, keep_last: int | None, tier: str) -> None:
         complete = [s for s in scan(directory, tier) if s.complete]
-        protected = set(self._writing) | set(self._mirroring) | {
-            s.step for s in complete if os.path.normpath(s.path) in self._reading
-        }
+        protected = (
+            set(self._writing)
+            | set(self._mirroring)
+            | {s.step for s in complete if os.path.normpath(s.path) in self._reading}
+        )
         for step in to_delete([s.step for s in complete], keep_last, self.keep_every, protected):
             path = os.path.join(directory, step_name(step))
             log.info("aiopersist: retention deletes %s", path)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import _knobs
 from .._api import TorchSave
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Checkpointer, SaveHandle
@@ -69,6 +70,13 @@ def _plan(accelerator: Any) -> tuple[object, dict[str, bytes | TorchSave], Any]:
             f"aiopersist's save_state supports one prepared model; this Accelerator has {len(models)}"
         )
     model_state = accelerator.get_state_dict(models[0], unwrap=False)
+    nbytes = sum(t.numel() * t.element_size() for t in model_state.values() if isinstance(t, torch.Tensor))
+    if nbytes > _knobs.shard_bytes():
+        # load_state reads one model.safetensors; a bigger model would be split in shards.
+        raise ValueError(
+            f"the model's state is {nbytes} bytes, more than one safetensors file holds here "
+            f"({_knobs.shard_bytes()}); set AIOPERSIST_SHARD_BYTES above it"
+        )
     extra: dict[str, bytes | TorchSave] = {}
     for i, opt in enumerate(accelerator._optimizers):
         extra["optimizer.bin" if i == 0 else f"optimizer_{i}.bin"] = TorchSave(opt.state_dict())
