@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Self
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
@@ -62,7 +62,44 @@ class BlockingSaveHandle:
         return self.handle.done.done()
 
 
-class BlockingCheckpointer:
+class _OnPortal:
+    """An async object driven from synchronous code: it lives on an event loop in a
+    background thread (anyio's blocking portal) from `_start` until `close`."""
+
+    _portal: BlockingPortal
+
+    def _start(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        self._portal_cm = start_blocking_portal("asyncio")
+        self._portal = self._portal_cm.__enter__()
+        try:
+            made = self._portal.call(make)
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+        self._closed = False
+        return made
+
+    def _aclose(self) -> Awaitable[None]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Finish what is in flight, release everything, stop the background loop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._portal.call(self._aclose)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class BlockingCheckpointer(_OnPortal):
     """`Checkpointer` with blocking calls; the same arguments. Close it (or use ``with``)."""
 
     def __init__(
@@ -77,26 +114,19 @@ class BlockingCheckpointer:
         on_busy: OnBusy = "wait",
         max_shard_bytes: int | None = None,
     ) -> None:
-        self._portal_cm = start_blocking_portal("asyncio")
-        self._portal = self._portal_cm.__enter__()
-        try:
-            self.checkpointer = self._portal.call(
-                functools.partial(
-                    _make,
-                    backend=backend,
-                    staging_bytes=staging_bytes,
-                    queue_depth=queue_depth,
-                    mode=mode,
-                    snapshot_bytes=snapshot_bytes,
-                    max_in_flight=max_in_flight,
-                    on_busy=on_busy,
-                    max_shard_bytes=max_shard_bytes,
-                )
+        self.checkpointer: Checkpointer = self._start(
+            functools.partial(
+                _make,
+                backend=backend,
+                staging_bytes=staging_bytes,
+                queue_depth=queue_depth,
+                mode=mode,
+                snapshot_bytes=snapshot_bytes,
+                max_in_flight=max_in_flight,
+                on_busy=on_busy,
+                max_shard_bytes=max_shard_bytes,
             )
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            raise
-        self._closed = False
+        )
 
     def save(
         self,
@@ -134,21 +164,8 @@ class BlockingCheckpointer:
         """Block until every save in flight is durable."""
         self._portal.call(self.checkpointer.wait)
 
-    def close(self) -> None:
-        """Finish the saves in flight, release everything, stop the background loop."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._portal.call(self.checkpointer.aclose)
-        finally:
-            self._portal_cm.__exit__(None, None, None)
-
-    def __enter__(self) -> BlockingCheckpointer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _aclose(self) -> Awaitable[None]:
+        return self.checkpointer.aclose()
 
 
 async def _make(**kwargs: Any) -> Checkpointer:
@@ -173,7 +190,7 @@ class BlockingManagedSaveHandle(BlockingSaveHandle):
         return result
 
 
-class BlockingCheckpointManager:
+class BlockingCheckpointManager(_OnPortal):
     """`CheckpointManager` with blocking calls, on an event loop in a background thread;
     the same arguments. Close it (or use ``with``)."""
 
@@ -188,25 +205,18 @@ class BlockingCheckpointManager:
         backend: str = "auto",
         mode: Mode = "fence",
     ) -> None:
-        self._portal_cm = start_blocking_portal("asyncio")
-        self._portal = self._portal_cm.__enter__()
-        try:
-            self.manager = self._portal.call(
-                functools.partial(
-                    _make_manager,
-                    directory,
-                    keep_last=keep_last,
-                    keep_every=keep_every,
-                    mirror=mirror,
-                    mirror_keep_last=mirror_keep_last,
-                    backend=backend,
-                    mode=mode,
-                )
+        self.manager: CheckpointManager = self._start(
+            functools.partial(
+                _make_manager,
+                directory,
+                keep_last=keep_last,
+                keep_every=keep_every,
+                mirror=mirror,
+                mirror_keep_last=mirror_keep_last,
+                backend=backend,
+                mode=mode,
             )
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            raise
-        self._closed = False
+        )
 
     def save(
         self,
@@ -246,20 +256,8 @@ class BlockingCheckpointManager:
         """Block until the saves in flight, their retention and mirroring are over."""
         self._portal.call(self.manager.wait)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._portal.call(self.manager.aclose)
-        finally:
-            self._portal_cm.__exit__(None, None, None)
-
-    def __enter__(self) -> BlockingCheckpointManager:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _aclose(self) -> Awaitable[None]:
+        return self.manager.aclose()
 
 
 async def _make_manager(directory: Any, *, backend: str, mode: Mode, **kwargs: Any) -> CheckpointManager:

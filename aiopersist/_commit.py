@@ -160,7 +160,7 @@ class PendingDirectory:
     final: str
 
 
-def _make_temp(final: str | os.PathLike[str], overwrite: bool) -> PendingDirectory:
+def make_temp(final: str | os.PathLike[str], overwrite: bool) -> PendingDirectory:
     target = os.path.abspath(os.fspath(final))
     parent = os.path.dirname(target)
     if os.path.lexists(target) and not overwrite:
@@ -189,7 +189,7 @@ async def atomic_directory(
     A replaced checkpoint is handed to ``discard`` (called in a worker thread; it deletes
     it at once by default), once the new one is durable.
     """
-    pending = await asyncio.to_thread(_make_temp, final, overwrite)
+    pending = await asyncio.to_thread(make_temp, final, overwrite)
     try:
         yield pending
         # Publication runs to its end even if we are cancelled meanwhile: the worker

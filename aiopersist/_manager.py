@@ -44,7 +44,7 @@ import torch
 
 from ._api import SaveInfo, _locate, file_directory, load
 from ._checkpointer import Checkpointer, Mode, SaveHandle
-from ._commit import OLD_MARKER, TMP_MARKER, fsync_directory, publish, remove_path
+from ._commit import OLD_MARKER, TMP_MARKER, fsync_directory, make_temp, publish, remove_path
 from ._exceptions import AiopersistError, CheckpointNotFoundError, from_os_error
 from ._manifest import MANIFEST_NAME, dump_manifest
 from ._parallel import PART_PREFIX
@@ -201,14 +201,8 @@ def copy_step(src: str, mirror: str, step: int) -> str:
     loc = _locate(src)
     manifest = loc.manifest
     assert manifest is not None
-    final = os.path.join(mirror, step_name(step))
-    parent = mirror
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{step_name(step)}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
-        os.mkdir(tmp)
-    except OSError as exc:
-        raise from_os_error(exc, "mkdir", parent) from exc
+    pending = make_temp(os.path.join(mirror, step_name(step)), overwrite=True)
+    tmp, final = pending.tmp, pending.final
     try:
         for rec in manifest.files.values():
             source = os.path.join(file_directory(loc.directory, manifest, rec), rec.name)

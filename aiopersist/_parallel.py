@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import math
 import os
 import time
 import uuid
@@ -89,10 +90,7 @@ class TensorDesc:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty(0, dtype=_dtype(self.dtype)).element_size()
+        return math.prod(self.shape) * _dtype(self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -313,10 +311,7 @@ def _plan_spread(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int)
 
 
 def _nbytes(spec: tuple[str, Any, tuple[int, ...]]) -> int:
-    n = spec[1].itemsize
-    for d in spec[2]:
-        n *= d
-    return int(n)
+    return math.prod(spec[2]) * int(spec[1].itemsize)
 
 
 def _part(p: Piece, t: TensorDesc) -> tuple[PartPlan, tuple[int, ...]]:
