@@ -1,7 +1,7 @@
 """``aiopersist bench train``: what checkpointing every step costs a training loop.
 
 A CPU training loop (an MLP of about 50M parameters with AdamW, the batch sized so that
-one step takes about as long as writing its checkpoint) checkpoints after every
+one step takes about as long as writing its checkpoint on the idle machine) checkpoints after every
 optimizer step, in one of four modes, interleaved round by round:
 
 - ``none``: no checkpoint (the baseline step time);
@@ -12,10 +12,9 @@ optimizer step, in one of four modes, interleaved round by round:
 - ``fio``: a reference writer. ``fio`` writes the checkpoint's byte count (O_DIRECT,
   io_uring, 4 MiB requests, a fresh file, fsync at the end) in a separate process after
   each optimizer step, and the next optimizer step waits for it to exit. It does no
-  serialisation, no copy and no checksum: what it costs the training step is what the
-  disk's I/O alone costs on this machine while training holds the cores (on a virtual
-  machine, the hypervisor's share included). It is no strict floor: fio pays its process
-  start, and the scheduler shares the cores between its threads and the training's.
+  serialisation, no copy and no checksum, but it is no floor: fio pays its process start
+  and buffer setup each time, and the scheduler shares the cores between its threads
+  and the training's.
   Skipped when ``fio`` is missing.
 
 For each mode: the median step time and its overhead over ``none``, the time the training
@@ -217,6 +216,45 @@ class _Loop:
         return step_times, blocked, save_times, growth
 
 
+def _step_seconds(loop: _Loop, batch: int, steps: int = 3) -> float:
+    loop.x = torch.randn(batch, loop.x.shape[1])
+    loop.step()  # warm-up: the allocator's caches for this batch size
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loop.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _calibrate(probe: _Loop, ck: BlockingCheckpointer, path: str, out: TextIO) -> int:
+    """The batch size whose step takes about as long as one save of the checkpoint.
+
+    A step costs a fixed part (the optimizer's pass over every parameter, the per-layer
+    overhead) plus a part per sample, and the part per sample is not constant (caches),
+    so the batch is found by the secant method on measured step times, starting from two
+    small batches, until a step is within 10% of the save.
+    """
+    saves = []
+    for _ in range(2):
+        info = ck.save(probe.state(), path, overwrite=True).wait()
+        saves.append(info.seconds if info is not None else 0.5)
+    save_s = min(saves)  # the first save also pays for the staging pool's first touch
+    points = [(b, _step_seconds(probe, b)) for b in (32, 128)]
+    for _ in range(4):
+        (b0, t0), (b1, t1) = points[-2:]
+        if abs(t1 / save_s - 1) <= 0.10:
+            break
+        per_sample = max((t1 - t0) / (b1 - b0), 1e-6) if b1 != b0 else t1 / b1
+        b = max(8, min(64 * b1, round(b1 + (save_s - t1) / per_sample)))
+        if b == b1:
+            break
+        points.append((b, _step_seconds(probe, b)))
+    batch, step_s = min(points, key=lambda p: abs(p[1] - save_s))
+    out.write(f"calibration: one save {save_s:.2f} s on its own; batch {batch}: a step {step_s:.2f} s\n")
+    return batch
+
+
 def run_train(
     directory: str,
     *,
@@ -230,7 +268,7 @@ def run_train(
 ) -> TrainReport:
     """Run the benchmark; see the module docstring. Files go under ``directory``."""
     if "fio" in modes and shutil.which("fio") is None:
-        out.write("fio is not installed: the fio floor is skipped\n")
+        out.write("fio is not installed: the fio reference is skipped\n")
         modes = [m for m in modes if m != "fio"]
     os.makedirs(directory, exist_ok=True)
     work = os.path.join(directory, f".aiopersist-bench-train-{os.getpid()}")
@@ -244,15 +282,7 @@ def run_train(
         params = sum(p.numel() for p in probe.model.parameters())
         ckpt_bytes = params * 4 * 3  # weights + AdamW's two moments
         if batch is None:
-            # Calibrate: a step about as long as writing the checkpoint.
-            h = checkpointers["fence"].save(probe.state(), os.path.join(work, "calibrate"), overwrite=True)
-            info = h.wait()
-            save_s = info.seconds if info is not None else 0.5
-            t0 = time.perf_counter()
-            for _ in range(2):
-                probe.step()
-            per_sample = (time.perf_counter() - t0) / 2 / 64
-            batch = max(8, int(save_s / per_sample))
+            batch = _calibrate(probe, checkpointers["fence"], os.path.join(work, "calibrate"), out)
         loop = _Loop(work, batch, hidden, layers)
         del probe
         out.write(

@@ -74,6 +74,18 @@ def test_bench_train_small(tmp_path: Path) -> None:
     assert not any((tmp_path / "d").iterdir())  # the checkpoints are cleaned up
 
 
+def test_bench_train_calibrates_the_batch(tmp_path: Path) -> None:
+    proc = _cli(
+        "bench", "train", "--dir", str(tmp_path / "d"), "--rounds", "1", "--steps", "2",
+        "--hidden", "128", "--layers", "2", "--modes", "none,fence",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    calibration = next(line for line in proc.stdout.splitlines() if line.startswith("calibration:"))
+    batch = int(calibration.split("batch ")[1].split(":")[0])
+    assert batch >= 8
+    assert f"batch {batch}," in proc.stdout  # the loop runs with the batch it found
+
+
 def test_bench_train_rejects_unknown_modes(tmp_path: Path) -> None:
     proc = _cli("bench", "train", "--dir", str(tmp_path / "d"), "--modes", "none,fast")
     assert proc.returncode == 2
