@@ -33,6 +33,7 @@ from ._exceptions import CheckpointCorruptError as CheckpointCorruptError
 from ._exceptions import CheckpointExistsError as CheckpointExistsError
 from ._exceptions import CheckpointIOError as CheckpointIOError
 from ._exceptions import CheckpointNotFoundError as CheckpointNotFoundError
+from ._exceptions import DirectoryInUseError as DirectoryInUseError
 from ._exceptions import DiskFullError as DiskFullError
 from ._exceptions import RankFailedError as RankFailedError
 from ._exceptions import StateMismatchError as StateMismatchError
@@ -61,6 +62,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "Checkpointer",
     "DirectIOInfo",
+    "DirectoryInUseError",
     "DiskFullError",
     "FileWriter",
     "IOBackend",

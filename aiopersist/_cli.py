@@ -30,6 +30,7 @@ from ._exceptions import (
     AiopersistError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    DirectoryInUseError,
     UnsupportedStateError,
 )
 
@@ -592,10 +593,27 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from ._manager import DirectoryLock
+
+    directory = os.path.abspath(args.dir)
+    if not (args.apply and os.path.isdir(directory)):
+        return _gc_locked(args, directory)
+    try:
+        # A running manager could be writing or mirroring what this would delete.
+        lock = DirectoryLock(directory)
+    except DirectoryInUseError as exc:
+        print(f"aiopersist gc: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return _gc_locked(args, directory)
+    finally:
+        lock.release()
+
+
+def _gc_locked(args: argparse.Namespace, directory: str) -> int:
     from ._commit import OLD_MARKER, TMP_MARKER
     from ._manager import TRASH_MARKER, clean_leftovers, delete_step, scan, to_delete
 
-    directory = os.path.abspath(args.dir)
     complete = [s for s in scan(directory) if s.complete]
     doomed = to_delete([s.step for s in complete], args.keep_last, args.keep_every)
     leftovers = []

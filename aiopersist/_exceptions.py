@@ -126,3 +126,21 @@ def from_os_error(
         return exc
     err = exc.errno if exc.errno is not None else _errno.EIO
     return io_error(err, call, filename if filename is not None else exc.filename)
+
+
+class DirectoryInUseError(AiopersistError):
+    """Another `CheckpointManager` holds this directory: its start-up cleanup and retention
+    would delete the other's saves in progress. ``holder`` says which process, as the
+    holder wrote it (``pid N on HOST``), or is empty when it could not be read."""
+
+    def __init__(self, directory: str, holder: str) -> None:
+        self.directory = directory
+        self.holder = holder
+        who = f" ({holder})" if holder else ""
+        super().__init__(
+            f"{directory} is managed by another CheckpointManager{who}; one manager per directory: "
+            "close the other one (aclose) or use another directory"
+        )
+
+    def __reduce__(self) -> tuple[type[DirectoryInUseError], tuple[str, str]]:
+        return type(self), (self.directory, self.holder)

@@ -31,11 +31,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import logging
 import os
 import re
 import shutil
+import socket
 import uuid
+import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +49,7 @@ import torch
 from ._api import SaveInfo, _locate, file_directory, load
 from ._checkpointer import Checkpointer, Mode, SaveHandle
 from ._commit import OLD_MARKER, TMP_MARKER, fsync_directory, make_temp, publish, remove_path
-from ._exceptions import AiopersistError, CheckpointNotFoundError, from_os_error
+from ._exceptions import AiopersistError, CheckpointNotFoundError, DirectoryInUseError, from_os_error
 from ._manifest import MANIFEST_NAME, dump_manifest
 from ._parallel import PART_PREFIX
 
@@ -53,6 +57,51 @@ log = logging.getLogger("aiopersist")
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 TRASH_MARKER = ".aiopersist-trash-"
+LOCK_NAME = ".aiopersist-manager.lock"
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``DIRECTORY/.aiopersist-manager.lock``, held until
+    `release` (or until the process ends: the kernel drops it, so a killed manager never
+    leaves a stale lock). The holder writes ``pid N on HOST`` into the file, for the error
+    the next one gets. The file itself stays: removing it would race with a new holder.
+
+    Raises `DirectoryInUseError` when another holder has it. A file system without
+    ``flock`` (some FUSE and network mounts answer ENOLCK or EOPNOTSUPP) gets a warning
+    and no lock.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, LOCK_NAME)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise from_os_error(exc, "open", self.path) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise DirectoryInUseError(directory, holder) from None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise from_os_error(exc, "flock", self.path) from exc
+            log.warning(
+                "aiopersist: %s cannot be locked (%s): one manager per directory is not enforced",
+                directory,
+                exc.strerror,
+            )
+            self._release: Callable[[], None] = lambda: None
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._release = weakref.finalize(self, os.close, fd)
+
+    def release(self) -> None:
+        """Drop the lock (closing the file drops it); a second call does nothing."""
+        self._release()
 
 
 def step_name(step: int) -> str:
@@ -319,10 +368,6 @@ class CheckpointManager:
         self.mirror = os.path.abspath(os.fspath(mirror)) if mirror is not None else None
         self.mirror_keep_last = mirror_keep_last
         self._backend = backend
-        self._own = checkpointer is None
-        self.checkpointer = (
-            checkpointer if checkpointer is not None else Checkpointer(backend=backend, mode=mode)
-        )
         self._rank0 = _is_rank0()
         self._reading: set[str] = set()
         self._writing: set[int] = set()
@@ -330,18 +375,52 @@ class CheckpointManager:
         self._tasks: set[asyncio.Future[None]] = set()
         self._mirror_lock: asyncio.Lock | None = None
         self._closed = False
+        self._locks: list[DirectoryLock] = []
         if self._rank0:
             for d in dirs:
                 try:
                     os.makedirs(d, exist_ok=True)
                 except OSError as exc:
                     raise from_os_error(exc, "mkdir", d) from exc
-            removed = clean_leftovers(dirs)
-            if self.mirror is not None:
-                with contextlib.suppress(OSError):
-                    removed += clean_leftovers([self.mirror])
+            self._lock_directories()
+            try:
+                removed = clean_leftovers(dirs)
+                if self.mirror is not None:
+                    with contextlib.suppress(OSError):
+                        removed += clean_leftovers([self.mirror])
+            except BaseException:
+                self._unlock()
+                raise
             for path in removed:
                 log.info("aiopersist: removed %s, left by an interrupted save or deletion", path)
+        # Made once the directories are ours: a refused manager leaves nothing to close.
+        self._own = checkpointer is None
+        self.checkpointer = (
+            checkpointer if checkpointer is not None else Checkpointer(backend=backend, mode=mode)
+        )
+
+    def _lock_directories(self) -> None:
+        """One manager per directory: its start-up cleanup, retention and mirroring would
+        delete another manager's saves in progress. Every local directory is locked, and
+        the mirror when it can be reached now (one that cannot is not locked later)."""
+        try:
+            for d in self.directories:
+                self._locks.append(DirectoryLock(d))
+            if self.mirror is not None and os.path.isdir(self.mirror):
+                try:
+                    self._locks.append(DirectoryLock(self.mirror))
+                except DirectoryInUseError:
+                    raise
+                except AiopersistError as exc:  # read-only or gone: the mirror is optional
+                    log.warning("aiopersist: the mirror %s is not locked: %s", self.mirror, exc)
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _unlock(self) -> None:
+        locks, self._locks = self._locks, []
+        for lock in locks:
+            lock.release()
 
     # -- what there is ------------------------------------------------------------------
 
@@ -511,8 +590,11 @@ class CheckpointManager:
         try:
             await self.wait()
         finally:
-            if self._own:
-                await self.checkpointer.aclose()
+            try:
+                if self._own:
+                    await self.checkpointer.aclose()
+            finally:
+                self._unlock()
 
     async def __aenter__(self) -> CheckpointManager:
         return self

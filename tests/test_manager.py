@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import aiopersist
-from aiopersist._manager import TRASH_MARKER, to_delete
+from aiopersist._manager import LOCK_NAME, TRASH_MARKER, to_delete
 from tests.conftest import URING_OK
 
 BACKENDS = [
@@ -32,7 +32,8 @@ def state_of(step: int) -> dict[str, object]:
 
 
 def _names(d: Path) -> list[str]:
-    return sorted(os.listdir(d)) if d.exists() else []
+    """What is in ``d`` besides the manager's lock file, which stays for good."""
+    return sorted(n for n in os.listdir(d) if n != LOCK_NAME) if d.exists() else []
 
 
 # -- retention, pure ------------------------------------------------------------------------
@@ -349,3 +350,91 @@ async def test_start_puts_back_a_step_moved_aside_by_an_interrupted_overwrite(tm
         assert (await mgr.restore())["step"] == 1
     finally:
         await mgr.aclose()
+
+
+# -- one manager per directory --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_second_manager_on_the_directory_is_refused(tmp_path: Path, backend: str) -> None:
+    """While a manager is open (here with a save in flight), another one on its directory
+    raises at once, names the holder, and touches nothing; once the first is closed, the
+    directory can be managed again."""
+    first = aiopersist.CheckpointManager(tmp_path / "ck", backend=backend)
+    try:
+        await (await first.save(1, state_of(1))).done
+        handle = await first.save(2, state_of(2))
+        with pytest.raises(aiopersist.DirectoryInUseError) as info:
+            aiopersist.CheckpointManager(tmp_path / "ck", backend=backend)
+        assert info.value.directory == str(tmp_path / "ck")
+        assert info.value.holder.startswith(f"pid {os.getpid()} on ")
+        assert "another CheckpointManager" in str(info.value)
+        await handle.done  # the refused manager's start-up cleanup did not run
+        assert first.steps() == [1, 2]
+    finally:
+        await first.aclose()
+    async with aiopersist.CheckpointManager(tmp_path / "ck", backend=backend) as again:
+        assert (await again.restore())["step"] == 2
+
+
+_HOLDER = textwrap.dedent(
+    """
+    import sys, aiopersist
+    mgr = aiopersist.CheckpointManager(sys.argv[1], mirror=sys.argv[2])
+    print("ready", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_a_manager_in_another_process_holds_its_directories_until_it_dies(tmp_path: Path) -> None:
+    """A real second process: its directory and its mirror are refused to this one, and to
+    `aiopersist gc --apply`; after kill -9 the kernel has dropped the lock."""
+    local, mirror, other = tmp_path / "local", tmp_path / "mirror", tmp_path / "other"
+    mirror.mkdir()
+    with aiopersist.BlockingCheckpointManager(local) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_of(step)).wait()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(local), str(mirror)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == b"ready"
+        with pytest.raises(aiopersist.DirectoryInUseError) as info:
+            aiopersist.CheckpointManager(local)
+        assert info.value.holder.startswith(f"pid {proc.pid} on ")
+        # A manager of another directory that shares the mirror is refused too, and lets
+        # go of the directory it had already locked.
+        with pytest.raises(aiopersist.DirectoryInUseError) as info:
+            aiopersist.CheckpointManager(other, mirror=mirror)
+        assert info.value.directory == str(mirror)
+        aiopersist.BlockingCheckpointManager(other).close()
+        gc = subprocess.run(
+            [sys.executable, "-m", "aiopersist", "gc", str(local), "--keep-last", "1", "--apply"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert gc.returncode == 1, gc.stdout + gc.stderr
+        assert f"pid {proc.pid}" in gc.stderr
+        assert _names(local) == ["step-1", "step-2", "step-3"]  # nothing deleted
+    finally:
+        proc.kill()
+        proc.communicate()  # reaps it and closes the pipes
+    gc = subprocess.run(
+        [sys.executable, "-m", "aiopersist", "gc", str(local), "--keep-last", "1", "--apply"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    assert _names(local) == ["step-3"]
+    with aiopersist.BlockingCheckpointManager(local, mirror=mirror) as mgr:
+        assert mgr.latest() == 3
+
+
+def test_directory_in_use_error_pickles() -> None:
+    import pickle
+
+    exc = aiopersist.DirectoryInUseError("/ck", "pid 1 on h")
+    back = pickle.loads(pickle.dumps(exc))
+    assert (back.directory, back.holder, str(back)) == ("/ck", "pid 1 on h", str(exc))
