@@ -4,6 +4,7 @@ Trainer's own, so that a stock Trainer resumes from them bit-exactly."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import aiopersist  # noqa: E402
-from aiopersist.integrations.transformers import AioPersistCallback  # noqa: E402
+from aiopersist.integrations.transformers import (  # noqa: E402
+    AioPersistCallback,
+    _checkpoints,
+    to_rotate,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -125,6 +130,55 @@ def test_callback_run_matches_stock_run_and_honours_save_total_limit(tmp_path: P
         assert torch.equal(_weights(mine)[k], v), k  # saving changed nothing in training
     assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-6", "checkpoint-8"]
     assert len(callback.saved) == 4
+
+
+@pytest.mark.parametrize("backend", ["threads", "io_uring"])
+def test_rotation_counts_only_complete_checkpoints(tmp_path: Path, backend: str) -> None:
+    """save_total_limit keeps the newest N *complete* checkpoints. A broken one (a stock
+    save that crashed, a damaged aiopersist one) neither counts nor protects: older
+    than the newest complete one it goes, newer it is left alone."""
+    run = tmp_path / "run"
+
+    def ours(step: int) -> Path:
+        path = run / f"checkpoint-{step}"
+        asyncio.run(aiopersist.save({"w": torch.full((1000,), float(step))}, path, backend=backend))
+        return path
+
+    ours(1)
+    damaged = ours(2)
+    weights = next(p for p in damaged.iterdir() if p.suffix == ".safetensors")
+    os.truncate(weights, weights.stat().st_size - 8)
+    (run / "checkpoint-3").mkdir()
+    (run / "checkpoint-3" / "trainer_state.json").write_text("{}")  # a stock one, finished
+    (run / "checkpoint-4").mkdir()  # a stock one that crashed early
+    ours(5)
+    (run / "checkpoint-7").mkdir()  # broken, newer than any complete one
+    found = _checkpoints(str(run))
+    assert [(step, ok) for step, _, ok in found] == [
+        (1, True),
+        (2, False),
+        (3, True),
+        (4, False),
+        (5, True),
+        (7, False),
+    ]
+    names = lambda paths: [os.path.basename(p) for p in paths]  # noqa: E731
+    assert names(to_rotate(found, 2)) == ["checkpoint-1", "checkpoint-2", "checkpoint-4"]
+    assert names(to_rotate(found, 5)) == ["checkpoint-2", "checkpoint-4"]
+    assert to_rotate([(4, str(run / "checkpoint-4"), False)], 1) == []
+
+
+@pytest.mark.parametrize("backend", ["threads", "io_uring"])
+def test_save_total_limit_keeps_complete_checkpoints_past_a_broken_one(tmp_path: Path, backend: str) -> None:
+    """A broken checkpoint-7 left by an earlier run: at step 8 the Trainer run still keeps
+    two complete checkpoints (6 and 8), where counting every directory would have kept
+    only the broken 7 and 8."""
+    (tmp_path / "run" / "checkpoint-7").mkdir(parents=True)
+    callback = AioPersistCallback(backend=backend)
+    _trainer(tmp_path / "run", [callback], save_total_limit=2).train()
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-6", "checkpoint-8"]
+    for name in ("checkpoint-6", "checkpoint-8"):
+        asyncio.run(aiopersist.verify(tmp_path / "run" / name))  # raises if it is not whole
 
 
 def test_callback_refuses_what_it_cannot_do(tmp_path: Path) -> None:

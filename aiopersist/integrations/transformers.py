@@ -21,7 +21,8 @@ checksums), so a stock ``Trainer`` resumes from it with
 ``torch.save``, written through the engine as torch produces it. A checkpoint takes its
 ``checkpoint-N`` name only once complete and durable, so ``get_last_checkpoint`` never
 picks a broken one. ``save_total_limit`` is honoured by step number, and only complete
-checkpoints count or are deleted.
+checkpoints count; incomplete ones (a stock save that crashed) older than the newest
+complete one are deleted too.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from .._api import SaveInfo, TorchSave
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode
-from .._manager import delete_step
+from .._manager import check_step, delete_step
+from .._manifest import MANIFEST_NAME
 
 log = logging.getLogger("aiopersist")
 
@@ -68,7 +70,14 @@ def _rng_states() -> dict[str, Any]:
     return states
 
 
-def _complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+def _checkpoints(run_dir: str) -> list[tuple[int, str, bool]]:
+    """Every ``checkpoint-N`` directory: its step, its path, and whether it is complete.
+
+    One with ``aiopersist.json`` is complete when that manifest checks out and every file
+    it lists has its size (no data is read); one without (the stock Trainer's) when it
+    has ``trainer_state.json``, which the Trainer writes after the weights and the
+    optimizer.
+    """
     try:
         names = os.listdir(run_dir)
     except FileNotFoundError:
@@ -76,9 +85,28 @@ def _complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     found = []
     for name in names:
         m = CHECKPOINT_RE.match(name)
-        if m is not None and os.path.isdir(os.path.join(run_dir, name)):
-            found.append((int(m.group(1)), os.path.join(run_dir, name)))
+        path = os.path.join(run_dir, name)
+        if m is None or not os.path.isdir(path):
+            continue
+        if os.path.exists(os.path.join(path, MANIFEST_NAME)):
+            complete = check_step(path)[0]
+        else:
+            complete = os.path.isfile(os.path.join(path, "trainer_state.json"))
+        found.append((int(m.group(1)), path, complete))
     return sorted(found)
+
+
+def to_rotate(checkpoints: list[tuple[int, str, bool]], limit: int) -> list[str]:
+    """What ``save_total_limit=limit`` deletes: complete checkpoints beyond the newest
+    ``limit``, and incomplete ones older than the newest complete one (nothing can resume
+    from them). Incomplete ones newer than that are left alone."""
+    complete = [(step, path) for step, path, ok in checkpoints if ok]
+    if not complete:
+        return []
+    newest = complete[-1][0]
+    doomed = {path for _, path in complete[:-limit]}
+    doomed |= {path for step, path, ok in checkpoints if not ok and step < newest}
+    return [path for _, path, _ in checkpoints if path in doomed]
 
 
 class AioPersistCallback(TrainerCallback):
@@ -235,12 +263,12 @@ class AioPersistCallback(TrainerCallback):
         self._rotate(args)
 
     def _rotate(self, args: TrainingArguments) -> None:
-        """``save_total_limit``, by step number: only complete checkpoints count and go."""
+        """``save_total_limit``, by step number: only complete checkpoints count (see
+        `to_rotate`)."""
         limit = args.save_total_limit
         if not limit or limit < 1:
             return
-        complete = _complete_checkpoints(_output_dir(args))
-        doomed = [path for _, path in complete[:-limit]]
+        doomed = to_rotate(_checkpoints(_output_dir(args)), limit)
         if not doomed:
             return
         if self._deleter is not None:
