@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import datetime
+import errno
 import json
 import math
 import os
@@ -51,7 +52,7 @@ from ._manifest import (
     safe_file_name,
 )
 from ._staging import StagingPool
-from ._stream import FileWriter, read_segments, settle
+from ._stream import FileWriter, read_segments, run_all, settle
 
 MODEL_FILE = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
@@ -153,8 +154,15 @@ class _TorchSaveSink:
         self._writer = writer
         self._loop = loop
         self._pos = 0
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Make every later ``write`` raise, so that ``torch.save`` ends early."""
+        self._stopped = True
 
     def write(self, data: Any) -> int:
+        if self._stopped:
+            raise OSError(errno.ECANCELED, "the save was stopped")
         with memoryview(data) as view:
             n = view.nbytes
             if n:
@@ -185,7 +193,15 @@ async def write_torch_save(
     loop = asyncio.get_running_loop()
     async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
         sink = _TorchSaveSink(writer, loop)
-        await asyncio.to_thread(torch.save, obj, cast(Any, sink))
+        thread = asyncio.ensure_future(asyncio.to_thread(torch.save, obj, cast(Any, sink)))
+        try:
+            await asyncio.shield(thread)
+        except asyncio.CancelledError:
+            # The thread cannot be cancelled: stop it at its next write and wait for it, so
+            # the writer is not closed (nor the pool released) under its feet.
+            sink.stop()
+            await settle([thread])
+            raise
         if written is not None:
             written()
     return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())
@@ -388,7 +404,7 @@ async def write_checkpoint(
                 jobs.append(write_torch_save(be, target, dio, pool, content.obj, one_written))
             else:
                 jobs.append(write_file(be, target, dio, pool, [content], one_written))
-        records = await asyncio.gather(*jobs)
+        records = await run_all(jobs)
         files: dict[str, FileRecord] = {}
         tensors: dict[str, TensorRecord] = {}
         for pf, rec in zip(planned, records, strict=False):
@@ -422,8 +438,8 @@ async def write_checkpoint(
             weight_map = {t.name: t.file for t in tensors.values()}
             index = {"metadata": {"total_size": flat.tensor_bytes}, "weight_map": weight_map}
             extra.append((MODEL_INDEX, json.dumps(index, indent=2).encode()))
-        extra_records = await asyncio.gather(
-            *(write_file(be, os.path.join(pending.tmp, n), dio, pool, [b]) for n, b in extra)
+        extra_records = await run_all(
+            write_file(be, os.path.join(pending.tmp, n), dio, pool, [b]) for n, b in extra
         )
     written = sum(r.nbytes for r in records) + sum(r.nbytes for r in extra_records)
     names = tuple(files) + tuple(n for n, _ in extra)
@@ -801,7 +817,7 @@ async def _load_parts(
                     f"{path}: checksum mismatch in {what} (stored {stated}, computed {got})"
                 )
 
-    await asyncio.gather(*(one_file(f, items) for f, items in by_file.items()))
+    await run_all(one_file(f, items) for f, items in by_file.items())
     for fn in after:
         fn()
     return stored
@@ -880,7 +896,7 @@ async def _load_manifest(
     ]
     if manifest.pickle_file is not None and allow_pickle:
         reads.append(_read_manifest_file(be, loc, pool, prefault, manifest.files[manifest.pickle_file], []))
-    heads = await asyncio.gather(*reads)
+    heads = await run_all(reads)
     pickled = None
     if manifest.pickle_file is not None and allow_pickle:
         pickled = pickle.loads(heads[-1].numpy().tobytes())
@@ -1013,9 +1029,7 @@ async def load(
                     be, loc, pool, prefault, _rank_to_load(loc.manifest, rank), allow_pickle, wants
                 )
             else:
-                parts = await asyncio.gather(
-                    *(_read_safetensors(be, f, loc, pool, prefault) for f in loc.files)
-                )
+                parts = await run_all(_read_safetensors(be, f, loc, pool, prefault) for f in loc.files)
                 state = {k: v for p in parts for k, v in p.items()}
     finally:
         prefault.close()

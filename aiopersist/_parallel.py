@@ -59,7 +59,7 @@ from ._manifest import (
 )
 from ._partition import Entry, Piece, partition, writers_for
 from ._staging import StagingPool
-from ._stream import PartHasher
+from ._stream import PartHasher, run_all
 
 Replicated = bool | Callable[[str], bool] | None
 PART_PREFIX = "part-"
@@ -514,7 +514,7 @@ async def _write_mine(
             record = FileRecord(f.name, rec.nbytes, rec.checksum, layout.data_offset, f.directory)
             return f, record, hasher.part_digests()
 
-        out = list(await asyncio.gather(*(one(f) for f in mine)))
+        out = await run_all(one(f) for f in mine)
     except Exception as exc:
         error = exc
     gathered = await exchange(out, error)

@@ -13,8 +13,8 @@ import asyncio
 import bisect
 import itertools
 import os
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -25,6 +25,7 @@ from ._exceptions import CheckpointCorruptError, from_os_error
 from ._staging import StagingPool
 
 Bytes = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 
 class Hasher(Protocol):
@@ -56,6 +57,33 @@ async def settle(tasks: Sequence[asyncio.Task[Any]]) -> None:
             t.exception()
     if cancelled:
         raise asyncio.CancelledError()
+
+
+async def run_all(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Run ``aws`` concurrently and return their results in order, like `asyncio.gather`,
+    except on failure: the first error cancels the others and is raised as itself (not in
+    an ``ExceptionGroup``) only once every one of them has ended. So no request is still
+    using a staging buffer, a file or a destination tensor when the caller cleans up.
+    Cancelling the caller cancels them all, with the same wait."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+        await settle(tasks)
+        raise
+    failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+    if failed is None:
+        return [t.result() for t in tasks]
+    for t in tasks:
+        t.cancel()
+    await settle(tasks)
+    error = failed.exception()
+    assert error is not None
+    raise error
 
 
 class PartHasher:
@@ -407,10 +435,11 @@ async def read_segments(
             finally:
                 pool.release(buf)
 
-        async with asyncio.TaskGroup() as tg:
-            for off, dest in direct:
-                tg.create_task(into_destination(off, dest))
-            for ws, we in windows:
-                tg.create_task(through_staging(ws, we))
+        await run_all(
+            [
+                *(into_destination(off, dest) for off, dest in direct),
+                *(through_staging(ws, we) for ws, we in windows),
+            ]
+        )
     finally:
         await backend.close(fd)

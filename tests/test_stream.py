@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 import aiopersist
-from aiopersist._stream import FileWriter, read_segments
+from aiopersist._stream import FileWriter, read_segments, run_all
 
 pytestmark = pytest.mark.asyncio
 
@@ -190,3 +193,114 @@ async def test_non_contiguous_tensor_is_written_in_bounded_blocks(
     expected = t.contiguous().numpy().tobytes() + third.contiguous().numpy().tobytes()
     assert (tmp_path / "nc").read_bytes() == expected
     pool.close()
+
+
+# -- run_all: the first failure stops the rest, and they have ended before it is raised ------
+
+
+async def test_run_all_returns_results_in_order() -> None:
+    async def after(delay: float, value: int) -> int:
+        await asyncio.sleep(delay)
+        return value
+
+    assert await run_all([after(0.02, 1), after(0.0, 2), after(0.01, 3)]) == [1, 2, 3]
+    assert await run_all([]) == []
+
+
+async def test_run_all_raises_the_first_error_as_itself_after_the_others_ended() -> None:
+    ended: list[str] = []
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await asyncio.sleep(0.01)  # cleanup that takes a moment, like returning a buffer
+            ended.append("slow")
+
+    async def fails() -> None:
+        await asyncio.sleep(0.01)
+        raise aiopersist.DiskFullError(28, "No space left on device", "f")
+
+    with pytest.raises(aiopersist.DiskFullError):  # not an ExceptionGroup
+        await asyncio.wait_for(run_all([slow(), fails(), slow()]), 10)
+    assert ended == ["slow", "slow"]
+
+
+async def test_cancelling_run_all_waits_for_every_job() -> None:
+    ended: list[int] = []
+
+    async def job(i: int) -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await asyncio.sleep(0.01)
+            ended.append(i)
+
+    task = asyncio.ensure_future(run_all([job(0), job(1)]))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(ended) == [0, 1]
+
+
+def _others() -> set[asyncio.Task[object]]:
+    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()}
+
+
+@contextlib.contextmanager
+def _loop_errors() -> Iterator[list[dict[str, object]]]:
+    """What the event loop reports as unhandled (a task's exception nobody retrieved, for
+    one), collected instead of logged; garbage is collected before the block ends."""
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    try:
+        yield seen
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+
+
+class _Unpicklable:
+    def __reduce__(self) -> tuple[object, ...]:
+        raise RuntimeError("this object refuses to be pickled")
+
+
+async def test_a_failing_file_stops_the_others_before_the_save_raises(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """One file of a save fails (its torch.save raises) while a large tensor file is still
+    being written: the save raises that error, as itself, once nothing of it is running,
+    and leaves nothing behind."""
+    state = {"big": _bytes(64 << 20)}
+    extra = {"bad.pt": aiopersist.TorchSave({"x": _Unpicklable()})}
+    with _loop_errors() as unhandled:
+        with pytest.raises(RuntimeError, match="refuses to be pickled"):
+            await aiopersist.save(state, tmp_path / "ck", extra_files=extra, backend=backend_name)
+        assert not _others()
+    assert unhandled == []
+    assert os.listdir(tmp_path) == []
+
+
+async def test_cancelling_a_save_stops_its_torch_save_thread(backend_name: str, tmp_path: Path) -> None:
+    """A file that torch.save produces in a worker thread: cancelling the save stops the
+    thread at its next write and waits for it; nothing is left running or on disk."""
+    big = {f"t{i}": _bytes(8 << 20, seed=i) for i in range(24)}  # 192 MiB of torch.save output
+    task = asyncio.ensure_future(
+        aiopersist.save(
+            {"w": _bytes(1024)},
+            tmp_path / "ck",
+            extra_files={"optimizer.pt": aiopersist.TorchSave(big)},
+            backend=backend_name,
+        )
+    )
+    with _loop_errors() as unhandled:
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not _others()
+    assert unhandled == []
+    assert os.listdir(tmp_path) == []
