@@ -7,9 +7,9 @@ forward and backward; only the optimizer step of N+1 has to wait, on the *fence*
 - ``mode="fence"`` (default): no copy of the state. The writer streams from the live
   tensors through the bounded staging pool; ``staged`` resolves when the last byte is in
   a staging buffer. Memory: the pool.
-- ``mode="snapshot"``: the tensors are first copied into reusable host memory (within
-  ``snapshot_bytes``); ``staged`` resolves right after that copy, and the write goes on
-  from the copy. Memory: the pool plus the snapshot.
+- ``mode="snapshot"``: the save's first step copies the tensors into reusable host memory
+  (within ``snapshot_bytes``); ``staged`` resolves right after that copy, and the write
+  goes on from the copy. Memory: the pool plus one snapshot per save in flight.
 
 Saves in flight are bounded (``max_in_flight``, default 1) and never interleave: a new
 save waits for a free slot, or is skipped with a log line (``on_busy="skip"``).
@@ -137,7 +137,9 @@ class Checkpointer:
         self._tasks: set[asyncio.Future[None]] = set()
         self._handles: list[SaveHandle] = []
         self._plan: tuple[tuple[object, ...], list[PlannedFile]] | None = None
-        self._snapshot: AlignedBuffer | None = None
+        # Snapshot memory, one area per save in flight, reused: a save takes a free area
+        # and gives it back once its write is over, never while it is being written from.
+        self._snapshots: list[AlignedBuffer] = []
         self._closed = False
 
     # -- the API ---------------------------------------------------------------------------
@@ -207,8 +209,7 @@ class Checkpointer:
                 planned = self._plan[1]
             handle = SaveHandle(target, loop.create_future(), loop.create_future())
             if self.mode == "snapshot" and isinstance(flat, Flattened):
-                flat = await self._take_snapshot(flat)
-                _resolve(handle.staged, None)
+                self._check_budget(flat)  # the copy itself is the save task's first step
         except BaseException:
             self._slots.release()
             raise
@@ -243,9 +244,9 @@ class Checkpointer:
             if self._backend is not None:
                 await self._backend.aclose()
             self.pool.close()
-            if self._snapshot is not None:
-                self._snapshot.close()
-                self._snapshot = None
+            for memory in self._snapshots:
+                memory.close()
+            self._snapshots.clear()
 
     async def __aenter__(self) -> Checkpointer:
         return self
@@ -268,7 +269,12 @@ class Checkpointer:
         assert self._backend is not None
         assert self._slots is not None
         replaced: list[str] = []  # filled from the publishing thread; list.append is atomic
+        memory: AlignedBuffer | None = None
         try:
+            if self.mode == "snapshot" and isinstance(flat, Flattened):
+                memory = self._snapshot_memory(self._check_budget(flat))
+                flat = await _take_snapshot(flat, memory)
+                _resolve(handle.staged, None)
             if spread is not None:
                 info = await save_spread(
                     self._backend,
@@ -310,6 +316,11 @@ class Checkpointer:
             _resolve(handle.staged, None)
             _resolve(handle.done, info)
         finally:
+            if memory is not None:
+                if self._closed:
+                    memory.close()
+                else:
+                    self._snapshots.append(memory)
             if replaced:
                 # The checkpoint this one replaced is deleted after `done`, off its clock.
                 self._cleanup(replaced)
@@ -329,41 +340,49 @@ class Checkpointer:
             _fail(handle.staged, asyncio.CancelledError())
             _fail(handle.done, asyncio.CancelledError())
 
-    async def _take_snapshot(self, flat: Flattened) -> Flattened:
-        """Copy every stored tensor into the reusable snapshot memory (in a thread: the
-        copies do not hold the GIL) and return the state pointing at the copies."""
+    def _check_budget(self, flat: Flattened) -> int:
+        """The snapshot's size; `SnapshotBudgetError` if it is over ``snapshot_bytes``."""
         total = sum(-(-s.nbytes // 64) * 64 for s in flat.stored)
         if total > self.snapshot_bytes:
             raise SnapshotBudgetError(
                 f"snapshot mode: the state's tensors take {total} bytes, more than "
                 f"snapshot_bytes={self.snapshot_bytes}; raise the budget or use mode='fence'"
             )
-        if self._snapshot is None or self._snapshot.size < total:
-            if self._snapshot is not None:
-                self._snapshot.close()
-            self._snapshot = AlignedBuffer(max(total, 1))
-        memory = self._snapshot
-        copies: list[StoredTensor] = []
-        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        pos = 0
-        for s in flat.stored:
-            src = s.source
-            dst = (
-                torch.frombuffer(memory.view, dtype=torch.uint8, count=s.nbytes, offset=pos)
-                if s.nbytes
-                else None
-            )
-            pos += -(-s.nbytes // 64) * 64  # keep every copy 64-byte aligned
-            if dst is None:
-                copies.append(s)
-                continue
-            typed = dst.view(src.dtype).view(src.shape)
-            jobs.append((typed, src))
-            copies.append(StoredTensor(s.name, typed, s.align))
-        await asyncio.to_thread(_copy_all, jobs)
-        return Flattened(
-            flat.skeleton, copies, flat.aliases, flat.views, flat.pickled, model_only=flat.model_only
+        return total
+
+    def _snapshot_memory(self, total: int) -> AlignedBuffer:
+        """A free snapshot area of at least ``total`` bytes: the largest free one if it is
+        big enough, else a new one (a free one too small is unmapped)."""
+        self._snapshots.sort(key=lambda m: m.size)
+        if self._snapshots and self._snapshots[-1].size >= total:
+            return self._snapshots.pop()
+        if self._snapshots:
+            self._snapshots.pop(0).close()
+        return AlignedBuffer(max(total, 1))
+
+
+async def _take_snapshot(flat: Flattened, memory: AlignedBuffer) -> Flattened:
+    """Copy every stored tensor into ``memory`` (in a thread: the copies do not hold the
+    GIL) and return the state pointing at the copies."""
+    copies: list[StoredTensor] = []
+    jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pos = 0
+    for s in flat.stored:
+        src = s.source
+        dst = (
+            torch.frombuffer(memory.view, dtype=torch.uint8, count=s.nbytes, offset=pos) if s.nbytes else None
         )
+        pos += -(-s.nbytes // 64) * 64  # keep every copy 64-byte aligned
+        if dst is None:
+            copies.append(s)
+            continue
+        typed = dst.view(src.dtype).view(src.shape)
+        jobs.append((typed, src))
+        copies.append(StoredTensor(s.name, typed, s.align))
+    await asyncio.to_thread(_copy_all, jobs)
+    return Flattened(
+        flat.skeleton, copies, flat.aliases, flat.views, flat.pickled, model_only=flat.model_only
+    )
 
 
 def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

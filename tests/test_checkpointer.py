@@ -110,6 +110,40 @@ async def test_snapshot_budget_is_enforced(tmp_path: Path) -> None:
         await h.done
 
 
+async def test_snapshot_saves_in_flight_each_have_their_own_copy(backend_name: str, tmp_path: Path) -> None:
+    """Snapshot mode with two saves in flight: the second snapshot is taken while the
+    first save is still writing from its own, and must not land in that memory."""
+    t = torch.full((16 << 20,), 1.0)  # 64 MiB: the first write outlasts the second copy
+    async with aiopersist.Checkpointer(backend=backend_name, mode="snapshot", max_in_flight=2) as ck:
+        first = await ck.save({"t": t}, tmp_path / "a")
+        await first.staged
+        t.fill_(2.0)
+        second = await ck.save({"t": t}, tmp_path / "b")
+        await second.staged
+        t.fill_(3.0)
+        assert not first.done.done()  # the two really were in flight together
+        await first.done
+        await second.done
+    assert torch.equal((await aiopersist.load(tmp_path / "a"))["t"], torch.full((16 << 20,), 1.0))
+    assert torch.equal((await aiopersist.load(tmp_path / "b"))["t"], torch.full((16 << 20,), 2.0))
+
+
+async def test_snapshot_save_returns_before_the_copy_is_taken(backend_name: str, tmp_path: Path) -> None:
+    """In snapshot mode `save` returns at once; the copy is the save's first step, and
+    `staged` resolves after it, so the caller waits (if at all) at the fence."""
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(64)}  # 256 MiB to copy
+    expected = {k: v.clone() for k, v in state.items()}
+    async with aiopersist.Checkpointer(backend=backend_name, mode="snapshot") as ck:
+        handle = await ck.save(state, tmp_path / "c")
+        assert not handle.staged.done()
+        await handle.staged
+        for v in state.values():
+            v.zero_()
+        await handle.done
+    back = await aiopersist.load(tmp_path / "c")
+    assert all(torch.equal(back[k], v) for k, v in expected.items())
+
+
 async def test_cancelled_save_leaves_no_final_directory(backend_name: str, tmp_path: Path) -> None:
     async with aiopersist.Checkpointer(backend=backend_name) as ck:
         await (await ck.save(_state(0), tmp_path / "c")).done
