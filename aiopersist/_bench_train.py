@@ -33,8 +33,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TextIO
 
 import torch
@@ -96,6 +96,9 @@ class TrainReport:
     rounds: int
     staging_bytes: int
     results: tuple[TrainResult, ...]
+    python_pace: dict[str, float] = field(default_factory=dict)
+    """Per mode: a pure-Python thread's pace while a save runs, as a share of its pace
+    without one (the interpreter the writer leaves to training)."""
 
 
 def _fio_write(fio: str, path: str, size: int) -> subprocess.Popen[bytes]:
@@ -255,6 +258,33 @@ def _calibrate(probe: _Loop, ck: BlockingCheckpointer, path: str, out: TextIO) -
     return batch
 
 
+def _python_pace(until: Callable[[], bool], at_least: float = 0.0) -> float:
+    """Iterations per second of a pure-Python loop (it holds the GIL between checks)."""
+    n = 0
+    t0 = time.perf_counter()
+    while True:
+        for _ in range(2000):
+            n += 1
+        elapsed = time.perf_counter() - t0
+        if until() and elapsed >= at_least:
+            return n / elapsed
+
+
+def _gil_share(loop: _Loop, ck: BlockingCheckpointer, path: str, rounds: int) -> float:
+    """How much of its pace a pure-Python thread keeps while ``ck`` saves the loop's state:
+    the median over ``rounds`` of (pace during a save) / (pace for as long without one)."""
+    shares = []
+    for _ in range(rounds):
+        handle = ck.save(loop.state(), path, overwrite=True)
+        t0 = time.perf_counter()
+        during = _python_pace(handle.done)
+        seconds = time.perf_counter() - t0
+        handle.wait()
+        alone = _python_pace(lambda: True, at_least=seconds)
+        shares.append(during / alone)
+    return statistics.median(shares)
+
+
 def run_train(
     directory: str,
     *,
@@ -322,8 +352,13 @@ def run_train(
                     max(d["rss"]),
                 )
             )
+        pace = {
+            mode: _gil_share(loop, checkpointers[mode], os.path.join(work, f"gil-{mode}"), rounds)
+            for mode in ("fence", "snapshot")
+            if mode in modes
+        }
         staging = checkpointers["fence"].checkpointer.pool.capacity_bytes
-        return TrainReport(params, ckpt_bytes, batch, steps, rounds, staging, tuple(results))
+        return TrainReport(params, ckpt_bytes, batch, steps, rounds, staging, tuple(results), pace)
     finally:
         for ck in checkpointers.values():
             ck.close()
@@ -347,6 +382,12 @@ def format_train(report: TrainReport) -> str:
             f"{r.mode:<11} {r.step_seconds:>7.3f} {100 * r.overhead:>8.1f}% {blocked:>15} {save:>7} "
             f"{share:>10} {r.rss_growth_mib:>14.0f}"
         )
+    if report.python_pace:
+        lines.append("")
+        lines.append(
+            "a pure-Python thread's pace while a save runs (the interpreter left to training): "
+            + ", ".join(f"{mode} {100 * share:.0f}%" for mode, share in report.python_pace.items())
+        )
     floor = next((r for r in report.results if r.mode == "fio"), None)
     if floor is not None:
         lines.append("")
@@ -356,18 +397,21 @@ def format_train(report: TrainReport) -> str:
         )
     lines.append("")
     lines.append(
-        f"targets: aiopersist step overhead <= 10%, blocked <= 5% of a save, fence RSS growth <= staging "
-        f"({report.staging_bytes / 2**20:.0f} MiB)"
+        f"targets: aiopersist step overhead <= 10%, blocked <= 5% of a save, fence RSS growth over none's "
+        f"within the staging pool ({report.staging_bytes / 2**20:.0f} MiB, +50% slack)"
     )
+    # The loop's own peak moves from run to run (the allocator); none's is subtracted.
+    base_rss = next((r.rss_growth_mib for r in report.results if r.mode == "none"), 0.0)
     for r in report.results:
+        extra_rss = r.rss_growth_mib - base_rss
         if r.mode in ("fence", "snapshot"):
             lines.append(
                 f"  {r.mode:<9} overhead {100 * r.overhead:.1f}% "
                 f"{'met' if r.overhead <= 0.10 else 'MISSED'}; "
                 f"blocked {100 * r.blocked_share:.1f}% {'met' if r.blocked_share <= 0.05 else 'MISSED'}"
                 + (
-                    f"; RSS +{r.rss_growth_mib:.0f} MiB "
-                    f"{'met' if r.rss_growth_mib * 2**20 <= report.staging_bytes * 1.5 else 'MISSED'}"
+                    f"; RSS {extra_rss:+.0f} MiB over none's "
+                    f"{'met' if extra_rss * 2**20 <= report.staging_bytes * 1.5 else 'MISSED'}"
                     if r.mode == "fence"
                     else ""
                 )
