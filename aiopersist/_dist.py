@@ -118,3 +118,21 @@ def coordinator(group: Any = None) -> Coordinator | None:
     rank = dist.get_rank(group)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     return Coordinator(rank, world, local_rank, gloo)
+
+
+_process0_groups: dict[object, Any] = {}
+
+
+def process0_group(coord: Coordinator) -> Any:
+    """A gloo group holding process 0 alone, for saves that process 0 writes by itself
+    (the Hugging Face layouts): given as ``group=``, the save needs no other rank.
+
+    Made once per checkpoint group. Making a group is a collective: every rank calls
+    this, in the same order, from the thread that issues the training's collectives.
+    """
+    import torch.distributed as dist
+
+    key = id(coord.group)
+    if key not in _process0_groups:
+        _process0_groups[key] = dist.new_group([0], backend="gloo")
+    return _process0_groups[key]

@@ -235,3 +235,58 @@ def test_kill_9_mid_save_resumes_from_the_previous_complete_checkpoint(tmp_path:
     resumed = _trainer(out, [], max_steps=step + 2, save_strategy="no")
     resumed.train(resume_from_checkpoint=last)
     assert resumed.state.global_step == step + 2
+
+
+def _torchrun(out: Path, mode: str, backend: str) -> list[dict[str, Any]]:
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(port), "-m", "tests._hf_ddp_worker", str(out), mode, backend,
+        ],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"rank"')]
+
+
+@pytest.mark.parametrize("backend", ["threads", "io_uring"])
+def test_under_ddp_a_stock_trainer_resumes_bit_exactly(tmp_path: Path, backend: str) -> None:
+    """Two processes under torchrun (DDP over gloo): process 0 writes the callback's
+    checkpoints with both ranks' RNG states; a stock Trainer on two processes resumes from
+    one and ends with the uninterrupted run's weights, bit for bit."""
+    outs = _torchrun(tmp_path, "stock", backend)
+    assert sorted((o["rank"], o["world"]) for o in outs) == [(0, 2), (1, 2)]
+    _torchrun(tmp_path, "callback", backend)
+    checkpoint = tmp_path / "callback" / "checkpoint-4"
+    names = set(os.listdir(checkpoint))
+    assert {
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+        "model.safetensors",
+        "optimizer.pt",
+        "trainer_state.json",
+    } <= names
+    assert "rng_state.pth" not in names
+    asyncio.run(aiopersist.verify(checkpoint))
+    r0, r1 = (torch.load(checkpoint / f"rng_state_{i}.pth", weights_only=False) for i in (0, 1))
+    assert not torch.equal(r0["cpu"], r1["cpu"])  # each rank's own, not rank 0's twice
+    _torchrun(tmp_path, "resume", backend)
+    stock = torch.load(tmp_path / "stock.pt")
+    for name in ("callback", "resume"):
+        got = torch.load(tmp_path / f"{name}.pt")
+        for k, v in stock.items():
+            assert torch.equal(got[k], v), (name, k)
+
+
+def test_under_ddp_save_on_each_node_is_refused(tmp_path: Path) -> None:
+    outs = _torchrun(tmp_path, "each-node", "threads")
+    assert sorted(o["rank"] for o in outs) == [0, 1]
+    assert all("save_on_each_node" in o["refused"] for o in outs), outs

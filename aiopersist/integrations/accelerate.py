@@ -40,8 +40,6 @@ from .._api import TorchSave
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Checkpointer, SaveHandle
 
-_solo_groups: dict[int, Any] = {}
-
 
 def _torch_bytes(obj: object) -> bytes:
     buf = io.BytesIO()
@@ -105,7 +103,7 @@ def _plan(accelerator: Any) -> tuple[object, dict[str, bytes | TorchSave], Any]:
     if world > 1:
         import torch.distributed as dist
 
-        from .._dist import coordinator
+        from .._dist import coordinator, process0_group
 
         coord = coordinator()
         everyone: list[Any] = [None] * world
@@ -113,10 +111,7 @@ def _plan(accelerator: Any) -> tuple[object, dict[str, bytes | TorchSave], Any]:
         dist.all_gather_object(everyone, mine, group=coord.group)
         for rank, states in enumerate(everyone):
             extra[f"random_states_{rank}.pkl"] = _torch_bytes(states)
-        key = id(coord.group)
-        if key not in _solo_groups:
-            _solo_groups[key] = dist.new_group([0], backend="gloo")  # every rank takes part
-        group = _solo_groups[key]
+        group = process0_group(coord)
     else:
         extra["random_states_0.pkl"] = _torch_bytes(mine)
     return model_state, extra, group

@@ -40,10 +40,12 @@ from typing import Any, cast
 import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.training_args import ParallelMode
 
 from .._api import SaveInfo, TorchSave
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode
+from .._dist import coordinator, process0_group
 from .._manager import check_step, delete_step
 from .._manifest import MANIFEST_NAME
 
@@ -58,15 +60,18 @@ def _torch_bytes(obj: object) -> bytes:
     return buf.getvalue()
 
 
-def _rng_states() -> dict[str, Any]:
-    """What ``Trainer._save_rng_state`` saves, in one process."""
+def _rng_states(distributed: bool = False) -> dict[str, Any]:
+    """What ``Trainer._save_rng_state`` saves for this process."""
     states: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "cpu": torch.random.get_rng_state(),
     }
     if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.random.get_rng_state()
+        # As the Trainer does: every device's state under DDP, the current one's otherwise.
+        states["cuda"] = (
+            torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+        )
     return states
 
 
@@ -116,8 +121,12 @@ class AioPersistCallback(TrainerCallback):
     the state, the next optimizer step waits until it is staged; ``snapshot``: a host
     copy first, within ``snapshot_bytes``).
 
-    Limits (checked at the start of training, with a clear error): one process only
-    (``world_size == 1``), no DeepSpeed (its optimizer step runs inside ``backward``,
+    Under DistributedDataParallel (``torchrun``) every rank runs the callback; process 0
+    writes the checkpoint, with every rank's RNG state gathered to it, as the stock save
+    lays it out.
+
+    Limits (checked at the start of training, with a clear error): one process or DDP
+    (not FSDP, not ``save_on_each_node``), no DeepSpeed (its optimizer step runs inside ``backward``,
     before any fence could be waited on), no ``load_best_model_at_end`` (the Trainer
     tracks the best checkpoint inside the save this callback replaces). With
     ``push_to_hub`` the checkpoints are not pushed (a warning says so). Other callbacks'
@@ -133,6 +142,7 @@ class AioPersistCallback(TrainerCallback):
         self._ckpt: BlockingCheckpointer | None = None
         self._handle: BlockingSaveHandle | None = None
         self._deleter: threading.Thread | None = None
+        self._group: Any = None
         self.saved: list[str] = []
         """Paths of the checkpoints committed so far, oldest first."""
         self.infos: list[SaveInfo] = []
@@ -144,9 +154,17 @@ class AioPersistCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if args.world_size > 1:
-            raise ValueError(
-                f"AioPersistCallback supports one training process; this run has world_size={args.world_size}"
-            )
+            if args.parallel_mode != ParallelMode.DISTRIBUTED or args.fsdp:
+                raise ValueError(
+                    "AioPersistCallback supports one process or DistributedDataParallel (every rank holds "
+                    f"the whole state); this run's parallel mode is {args.parallel_mode.value}"
+                    + (" with FSDP" if args.fsdp else "")
+                )
+            if args.save_on_each_node:
+                raise ValueError(
+                    "AioPersistCallback does not support save_on_each_node: process 0 writes the checkpoint, "
+                    "with every rank's RNG state"
+                )
         if getattr(args, "deepspeed", None):
             raise ValueError(
                 "AioPersistCallback cannot be used with DeepSpeed: its optimizer step runs inside "
@@ -209,6 +227,7 @@ class AioPersistCallback(TrainerCallback):
             return
         control_state = control.state()  # as the Trainer's own save would record it
         control.should_save = False  # the Trainer's own save is taken over
+        rng_files = self._gather_rng_states(args)  # every rank takes part; process 0 gets them
         if not args.should_save or self._ckpt is None or model is None:
             return
         path = os.path.join(_output_dir(args), f"checkpoint-{state.global_step}")
@@ -228,7 +247,7 @@ class AioPersistCallback(TrainerCallback):
             scaler = getattr(optimizer, "scaler", None)
             if scaler is not None:
                 extra["scaler.pt"] = _torch_bytes(scaler.state_dict())
-            extra["rng_state.pth"] = _rng_states_bytes()
+            extra.update(rng_files)
         # As the Trainer's own save does (the field is a dict once the state is built).
         trainer_state = cast(Any, state)
         if trainer_state.stateful_callbacks is None:
@@ -242,9 +261,30 @@ class AioPersistCallback(TrainerCallback):
             extra.update(_processing_files(processing_class))
         previous = self._handle
         # Waits here for the previous save if it is still being written (one in flight).
-        self._handle = self._ckpt.save(model, path, overwrite=True, extra_files=extra)
+        # Under DDP process 0 writes alone, in a group of its own: no other rank takes part.
+        self._handle = self._ckpt.save(model, path, overwrite=True, extra_files=extra, group=self._group)
         if previous is not None:
             self._committed(args, previous)
+
+    def _gather_rng_states(self, args: TrainingArguments) -> dict[str, bytes]:
+        """The ``rng_state*.pth`` files the Trainer's own save writes: ``rng_state.pth`` in
+        one process; under DDP ``rng_state_<i>.pth`` for every process ``i``, gathered to
+        process 0 (the only one that writes), where the stock save has each rank write its
+        own. Empty on the other ranks, and when ``save_only_model``."""
+        if args.save_only_model:
+            return {}
+        if args.world_size <= 1:
+            return {"rng_state.pth": _torch_bytes(_rng_states())}
+        coord = coordinator()
+        assert coord is not None
+        # Over the checkpoint's own gloo group, whatever the training's backend is.
+        mine = _torch_bytes(_rng_states(distributed=True))
+        everyone: list[Any] = [None] * coord.world_size
+        torch.distributed.all_gather_object(everyone, mine, group=coord.group)
+        self._group = process0_group(coord)
+        if args.process_index != 0:
+            return {}
+        return {f"rng_state_{i}.pth": cast(bytes, b) for i, b in enumerate(everyone)}
 
     def _finish_last(self, args: TrainingArguments) -> None:
         if self._handle is not None:
@@ -283,10 +323,6 @@ def _output_dir(args: TrainingArguments) -> str:
     if not args.output_dir:
         raise ValueError("AioPersistCallback needs TrainingArguments.output_dir")
     return str(args.output_dir)
-
-
-def _rng_states_bytes() -> bytes:
-    return _torch_bytes(_rng_states())
 
 
 def _state_dict(state: TrainerState) -> dict[str, Any]:

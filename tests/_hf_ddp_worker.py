@@ -1,0 +1,88 @@
+"""A script for ``torchrun --nproc_per_node 2``: a tiny GPT-2 (from a config, offline)
+trained by a Hugging Face Trainer under DDP over gloo on CPU.
+
+``python -m tests._hf_ddp_worker OUT MODE [BACKEND]`` with MODE ``stock`` (no
+checkpoints), ``callback`` (AioPersistCallback saves every 2 steps), ``resume`` (a
+stock Trainer resumes from ``OUT/callback/checkpoint-4``) or ``each-node``
+(``save_on_each_node``, which the callback refuses). Process 0 writes the final
+weights to ``OUT/MODE.pt``; every process prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import transformers
+
+from aiopersist.integrations.transformers import AioPersistCallback
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int = 64, length: int = 16, vocab: int = 128) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.data = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+class Diverge(transformers.TrainerCallback):  # type: ignore[misc]
+    """Rank 1 draws one extra number before each step, so the two ranks' RNG states (and
+    their dropout masks) differ: a resume is exact only if each gets its own back."""
+
+    def on_step_begin(self, args: transformers.TrainingArguments, *_: object, **__: object) -> None:
+        if args.process_index == 1:
+            torch.rand(1)
+
+
+def main(out: str, mode: str, backend: str) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32, resid_pdrop=0.1, embd_pdrop=0.1
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    run = os.path.join(out, "callback" if mode in ("callback", "resume") else mode)
+    args = transformers.TrainingArguments(
+        output_dir=run,
+        max_steps=8,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        save_strategy="steps" if mode == "callback" else "no",
+        save_steps=2,
+        logging_steps=1000,
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        ddp_backend="gloo",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        save_on_each_node=mode == "each-node",
+    )
+    saving = mode in ("callback", "each-node")
+    callbacks = [Diverge(), *([AioPersistCallback(backend=backend)] if saving else [])]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+    resume = os.path.join(run, "checkpoint-4") if mode == "resume" else None
+    if mode == "each-node":
+        try:
+            trainer.train()
+        except ValueError as exc:
+            sys.stdout.write(json.dumps({"rank": trainer.args.process_index, "refused": str(exc)}) + "\n")
+        return
+    trainer.train(resume_from_checkpoint=resume)
+    if trainer.args.process_index == 0:
+        torch.save(
+            {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+            os.path.join(out, f"{mode}.pt"),
+        )
+    line = {"rank": trainer.args.process_index, "world": trainer.args.world_size, "mode": mode}
+    sys.stdout.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "auto")
