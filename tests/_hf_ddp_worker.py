@@ -16,19 +16,17 @@ import sys
 import torch
 import transformers
 
+from aiopersist._demo_trainer import Tokens
 from aiopersist.integrations.transformers import AioPersistCallback
 
 
-class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self, n: int = 64, length: int = 16, vocab: int = 128) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.data = torch.randint(0, vocab, (n, length), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.data[i], "labels": self.data[i]}
+def tiny_gpt2() -> transformers.GPT2LMHeadModel:
+    """A 2-layer GPT-2 from a config (no download), with dropout, seeded."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32, resid_pdrop=0.1, embd_pdrop=0.1
+    )
+    return transformers.GPT2LMHeadModel(config)
 
 
 class Diverge(transformers.TrainerCallback):  # type: ignore[misc]
@@ -42,11 +40,7 @@ class Diverge(transformers.TrainerCallback):  # type: ignore[misc]
 
 def main(out: str, mode: str, backend: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32, resid_pdrop=0.1, embd_pdrop=0.1
-    )
-    model = transformers.GPT2LMHeadModel(config)
+    model = tiny_gpt2()
     run = os.path.join(out, "callback" if mode in ("callback", "resume") else mode)
     args = transformers.TrainingArguments(
         output_dir=run,
@@ -66,7 +60,9 @@ def main(out: str, mode: str, backend: str) -> None:
     )
     saving = mode in ("callback", "each-node")
     callbacks = [Diverge(), *([AioPersistCallback(backend=backend)] if saving else [])]
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Tokens(64, 16, 128), callbacks=callbacks
+    )
     resume = os.path.join(run, "checkpoint-4") if mode == "resume" else None
     if mode == "each-node":
         try:

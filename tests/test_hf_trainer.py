@@ -15,33 +15,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import aiopersist  # noqa: E402
+from aiopersist._demo_trainer import Tokens  # noqa: E402
 from aiopersist.integrations.transformers import (  # noqa: E402
     AioPersistCallback,
     _checkpoints,
     to_rotate,
 )
+from tests._hf_ddp_worker import tiny_gpt2  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self, n: int = 64, length: int = 16, vocab: int = 128) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.data = torch.randint(0, vocab, (n, length), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.data[i], "labels": self.data[i]}
-
-
-def _model() -> Any:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32, resid_pdrop=0.1, embd_pdrop=0.1
-    )
-    return transformers.GPT2LMHeadModel(config)
 
 
 def _trainer(out: Path, callbacks: list[Any], max_steps: int = 8, **kw: Any) -> Any:
@@ -60,9 +42,15 @@ def _trainer(out: Path, callbacks: list[Any], max_steps: int = 8, **kw: Any) -> 
         "dataloader_num_workers": 0,
     }
     args = transformers.TrainingArguments(**{**options, **kw})
-    evaluate = Tokens(n=8) if options.get("eval_strategy", kw.get("eval_strategy", "no")) != "no" else None
+    evaluate = (
+        Tokens(8, 16, 128) if options.get("eval_strategy", kw.get("eval_strategy", "no")) != "no" else None
+    )
     return transformers.Trainer(
-        model=_model(), args=args, train_dataset=Tokens(), eval_dataset=evaluate, callbacks=callbacks
+        model=tiny_gpt2(),
+        args=args,
+        train_dataset=Tokens(64, 16, 128),
+        eval_dataset=evaluate,
+        callbacks=callbacks,
     )
 
 
