@@ -2,10 +2,12 @@
 trained by a Hugging Face Trainer under DDP over gloo on CPU.
 
 ``python -m tests._hf_ddp_worker OUT MODE [BACKEND]`` with MODE ``stock`` (no
-checkpoints), ``callback`` (AioPersistCallback saves every 2 steps), ``resume`` (a
-stock Trainer resumes from ``OUT/callback/checkpoint-4``) or ``each-node``
+checkpoints), ``callback`` (AioPersistCallback saves every 2 steps), ``model-only`` (the
+same with ``save_only_model``), ``resume`` (a stock Trainer resumes from
+``OUT/callback/checkpoint-4``) or ``each-node``
 (``save_on_each_node``, which the callback refuses). Process 0 writes the final
-weights to ``OUT/MODE.pt``; every process prints one JSON line."""
+weights to ``OUT/MODE.pt``; process ``i`` writes its report to ``OUT/MODE-i.json`` (a
+file, not a line on the stdout both processes share with the Trainer's own prints)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def main(out: str, mode: str, backend: str) -> None:
         max_steps=8,
         per_device_train_batch_size=4,
         learning_rate=1e-3,
-        save_strategy="steps" if mode == "callback" else "no",
+        save_strategy="steps" if mode in ("callback", "model-only") else "no",
         save_steps=2,
         logging_steps=1000,
         report_to=[],
@@ -57,8 +59,9 @@ def main(out: str, mode: str, backend: str) -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
         save_on_each_node=mode == "each-node",
+        save_only_model=mode == "model-only",
     )
-    saving = mode in ("callback", "each-node")
+    saving = mode in ("callback", "model-only", "each-node")
     callbacks = [Diverge(), *([AioPersistCallback(backend=backend)] if saving else [])]
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Tokens(64, 16, 128), callbacks=callbacks
@@ -68,7 +71,7 @@ def main(out: str, mode: str, backend: str) -> None:
         try:
             trainer.train()
         except ValueError as exc:
-            sys.stdout.write(json.dumps({"rank": trainer.args.process_index, "refused": str(exc)}) + "\n")
+            _report(out, mode, {"rank": trainer.args.process_index, "refused": str(exc)})
         return
     trainer.train(resume_from_checkpoint=resume)
     if trainer.args.process_index == 0:
@@ -76,8 +79,14 @@ def main(out: str, mode: str, backend: str) -> None:
             {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
             os.path.join(out, f"{mode}.pt"),
         )
-    line = {"rank": trainer.args.process_index, "world": trainer.args.world_size, "mode": mode}
-    sys.stdout.write(json.dumps(line) + "\n")
+    _report(out, mode, {"rank": trainer.args.process_index, "world": trainer.args.world_size, "mode": mode})
+
+
+def _report(out: str, mode: str, report: dict[str, object]) -> None:
+    path = os.path.join(out, f"{mode}-{report['rank']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

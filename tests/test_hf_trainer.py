@@ -242,7 +242,9 @@ def _torchrun(out: Path, mode: str, backend: str) -> list[dict[str, Any]]:
         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"rank"')]
+    reports = sorted(out.glob(f"{mode}-[0-9]*.json"))
+    assert len(reports) == 2, (reports, proc.stdout[-2000:], proc.stderr[-3000:])
+    return [json.loads(p.read_text()) for p in reports]
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +283,19 @@ def test_under_ddp_a_stock_trainer_resumes_bit_exactly(
         got = torch.load(tmp_path / f"{name}.pt")
         for k, v in ddp_stock_weights.items():
             assert torch.equal(got[k], v), (name, k)
+
+
+def test_under_ddp_save_only_model_writes_the_model_alone(tmp_path: Path) -> None:
+    """With ``save_only_model`` the ranks gather no RNG states; process 0 still writes
+    alone, in its own group, and no rank waits for another."""
+    outs = _torchrun(tmp_path, "model-only", "threads")
+    assert sorted((o["rank"], o["world"]) for o in outs) == [(0, 2), (1, 2)]
+    for step in (2, 4, 6, 8):
+        checkpoint = tmp_path / "model-only" / f"checkpoint-{step}"
+        names = set(os.listdir(checkpoint))
+        assert {"model.safetensors", "config.json", "trainer_state.json"} <= names, names
+        assert not {n for n in names if n.startswith(("rng_state", "optimizer", "scheduler"))}, names
+        asyncio.run(aiopersist.verify(checkpoint))
 
 
 def test_under_ddp_save_on_each_node_is_refused(tmp_path: Path) -> None:

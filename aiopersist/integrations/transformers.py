@@ -165,6 +165,11 @@ class AioPersistCallback(TrainerCallback):
                     "AioPersistCallback does not support save_on_each_node: process 0 writes the checkpoint, "
                     "with every rank's RNG state"
                 )
+            # Process 0 writes every checkpoint alone, in a group of its own. Making the group
+            # is a collective, so every rank makes it here, even when it never saves.
+            coord = coordinator()
+            assert coord is not None
+            self._group = process0_group(coord)
         if getattr(args, "deepspeed", None):
             raise ValueError(
                 "AioPersistCallback cannot be used with DeepSpeed: its optimizer step runs inside "
@@ -281,7 +286,6 @@ class AioPersistCallback(TrainerCallback):
         mine = _torch_bytes(_rng_states(distributed=True))
         everyone: list[Any] = [None] * coord.world_size
         torch.distributed.all_gather_object(everyone, mine, group=coord.group)
-        self._group = process0_group(coord)
         if args.process_index != 0:
             return {}
         return {f"rng_state_{i}.pth": cast(bytes, b) for i, b in enumerate(everyone)}
