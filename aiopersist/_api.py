@@ -139,7 +139,8 @@ class TorchSave:
     The bytes ``torch.save`` produces go straight into the staging buffers (a file-like
     object whose ``write`` feeds the engine): no copy of the object is made in memory, so
     tensors in it are read while the file is written, as with the checkpoint's own
-    tensors (``staged`` waits for them too). ``torch.load(weights_only=True)`` reads the
+    tensors (a `Checkpointer`'s ``staged`` waits for them too in fence mode; in snapshot
+    mode they are copied with the state's). ``torch.load(weights_only=True)`` reads the
     file when the object holds only what it allows (state dicts do).
     """
 

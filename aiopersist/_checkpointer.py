@@ -8,8 +8,9 @@ forward and backward; only the optimizer step of N+1 has to wait, on the *fence*
   tensors through the bounded staging pool; ``staged`` resolves when the last byte is in
   a staging buffer. Memory: the pool.
 - ``mode="snapshot"``: the save's first step copies the tensors into reusable host memory
-  (within ``snapshot_bytes``); ``staged`` resolves right after that copy, and the write
-  goes on from the copy. Memory: the pool plus one snapshot per save in flight.
+  (within ``snapshot_bytes``), those of the `TorchSave` extra files too; ``staged``
+  resolves right after that copy, and the write goes on from the copy. Memory: the pool
+  plus one snapshot per save in flight.
 
 Saves in flight are bounded (``max_in_flight``, default 1) and never interleave: a new
 save waits for a free slot, or is skipped with a log line (``on_busy="skip"``).
@@ -18,6 +19,7 @@ save waits for a free slot, or is skipped with a log line (``on_busy="skip"``).
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from ._api import (
     PathArg,
     PlannedFile,
     SaveInfo,
+    TorchSave,
     checkpoint_paths,
     plan_files,
     plan_signature,
@@ -44,6 +47,7 @@ from ._exceptions import AiopersistError
 from ._flatten import Flattened, StoredTensor, flatten
 from ._parallel import save_spread
 from ._staging import StagingPool
+from ._stream import settle
 
 log = logging.getLogger("aiopersist")
 
@@ -163,7 +167,8 @@ class Checkpointer:
         ``path`` may list several directories, and under ``torch.distributed`` every rank
         calls `save`, as for [`aiopersist.save`][aiopersist.save] (``replicated``,
         ``group``); ``staged`` then means this rank's bytes are out of its tensors.
-        ``extra_files`` as for `aiopersist.save` (a `TorchSave` in it counts for ``staged``).
+        ``extra_files`` as for `aiopersist.save`: a `TorchSave` in it counts for ``staged``
+        (fence mode) or is copied with the state (snapshot mode).
         """
         if self._closed:
             raise RuntimeError("the Checkpointer is closed")
@@ -209,7 +214,7 @@ class Checkpointer:
                 planned = self._plan[1]
             handle = SaveHandle(target, loop.create_future(), loop.create_future())
             if self.mode == "snapshot" and isinstance(flat, Flattened):
-                self._check_budget(flat)  # the copy itself is the save task's first step
+                self._check_budget(flat, extra_files)  # the copy itself is the save task's first step
         except BaseException:
             self._slots.release()
             raise
@@ -272,8 +277,8 @@ class Checkpointer:
         memory: AlignedBuffer | None = None
         try:
             if self.mode == "snapshot" and isinstance(flat, Flattened):
-                memory = self._snapshot_memory(self._check_budget(flat))
-                flat = await _take_snapshot(flat, memory)
+                memory = self._snapshot_memory(self._check_budget(flat, extra_files))
+                flat, extra_files = await _take_snapshot(flat, extra_files, memory)
                 _resolve(handle.staged, None)
             if spread is not None:
                 info = await save_spread(
@@ -340,12 +345,14 @@ class Checkpointer:
             _fail(handle.staged, asyncio.CancelledError())
             _fail(handle.done, asyncio.CancelledError())
 
-    def _check_budget(self, flat: Flattened) -> int:
+    def _check_budget(self, flat: Flattened, extra_files: ExtraFiles | None) -> int:
         """The snapshot's size; `SnapshotBudgetError` if it is over ``snapshot_bytes``."""
-        total = sum(-(-s.nbytes // 64) * 64 for s in flat.stored)
+        total = sum(_padded(s.nbytes) for s in flat.stored)
+        total += sum(_padded(_nbytes(t)) for t in _torch_save_tensors(extra_files))
         if total > self.snapshot_bytes:
             raise SnapshotBudgetError(
-                f"snapshot mode: the state's tensors take {total} bytes, more than "
+                f"snapshot mode: the state's tensors (with those of the TorchSave extra files) take "
+                f"{total} bytes, more than "
                 f"snapshot_bytes={self.snapshot_bytes}; raise the budget or use mode='fence'"
             )
         return total
@@ -361,27 +368,93 @@ class Checkpointer:
         return AlignedBuffer(max(total, 1))
 
 
-async def _take_snapshot(flat: Flattened, memory: AlignedBuffer) -> Flattened:
-    """Copy every stored tensor into ``memory`` (in a thread: the copies do not hold the
-    GIL) and return the state pointing at the copies."""
-    copies: list[StoredTensor] = []
+def _padded(n: int) -> int:
+    return -(-n // 64) * 64  # every copy starts 64-byte aligned
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _torch_save_tensors(extra_files: ExtraFiles | None) -> list[torch.Tensor]:
+    """The tensors inside the `TorchSave` objects of ``extra_files`` (in dicts, lists and
+    tuples, as in an optimizer's state dict), each once."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(obj: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            found.setdefault(id(obj), obj)
+        elif isinstance(obj, Mapping | list | tuple) and id(obj) not in seen:
+            seen.add(id(obj))
+            for v in obj.values() if isinstance(obj, Mapping) else obj:
+                walk(v)
+
+    for content in (extra_files or {}).values():
+        if isinstance(content, TorchSave):
+            walk(content.obj)
+    return list(found.values())
+
+
+def _with_copies(obj: Any, copies: Mapping[int, torch.Tensor]) -> Any:
+    """``obj`` rebuilt with every tensor in ``copies`` (by ``id``) replaced by its copy."""
+    if isinstance(obj, torch.Tensor):
+        return copies.get(id(obj), obj)
+    if isinstance(obj, dict):
+        new = copy.copy(obj)  # keeps the type: OrderedDict, defaultdict's factory
+        for k, v in obj.items():
+            new[k] = _with_copies(v, copies)
+        return new
+    if isinstance(obj, list):
+        return [_with_copies(v, copies) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_with_copies(v, copies) for v in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_with_copies(v, copies) for v in obj))
+    return obj
+
+
+async def _take_snapshot(
+    flat: Flattened, extra_files: ExtraFiles | None, memory: AlignedBuffer
+) -> tuple[Flattened, ExtraFiles | None]:
+    """Copy every stored tensor, and every tensor of the `TorchSave` extra files, into
+    ``memory`` (in a thread: the copies do not hold the GIL); return the state and the
+    extra files pointing at the copies."""
     jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
     pos = 0
-    for s in flat.stored:
-        src = s.source
-        dst = (
-            torch.frombuffer(memory.view, dtype=torch.uint8, count=s.nbytes, offset=pos) if s.nbytes else None
-        )
-        pos += -(-s.nbytes // 64) * 64  # keep every copy 64-byte aligned
-        if dst is None:
-            copies.append(s)
-            continue
+
+    def place(src: torch.Tensor, nbytes: int) -> torch.Tensor:
+        nonlocal pos
+        dst = torch.frombuffer(memory.view, dtype=torch.uint8, count=nbytes, offset=pos)
+        pos += _padded(nbytes)
         typed = dst.view(src.dtype).view(src.shape)
         jobs.append((typed, src))
-        copies.append(StoredTensor(s.name, typed, s.align))
-    await asyncio.to_thread(_copy_all, jobs)
-    return Flattened(
-        flat.skeleton, copies, flat.aliases, flat.views, flat.pickled, model_only=flat.model_only
+        return typed
+
+    stored = [
+        StoredTensor(s.name, place(s.source, s.nbytes), s.align) if s.nbytes else s for s in flat.stored
+    ]
+    copies: dict[int, torch.Tensor] = {}
+    for t in _torch_save_tensors(extra_files):
+        if _nbytes(t):
+            c = place(t.detach(), _nbytes(t))
+            copies[id(t)] = torch.nn.Parameter(c, t.requires_grad) if isinstance(t, torch.nn.Parameter) else c
+    thread = asyncio.ensure_future(asyncio.to_thread(_copy_all, jobs))
+    try:
+        await asyncio.shield(thread)
+    except asyncio.CancelledError:
+        # The thread cannot be stopped: it writes into ``memory`` until it ends, so the
+        # memory is neither reused nor unmapped before then.
+        await settle([thread])
+        raise
+    if extra_files is not None and copies:
+        extra_files = {
+            name: TorchSave(_with_copies(c.obj, copies)) if isinstance(c, TorchSave) else c
+            for name, c in extra_files.items()
+        }
+    return (
+        Flattened(flat.skeleton, stored, flat.aliases, flat.views, flat.pickled, model_only=flat.model_only),
+        extra_files,
     )
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -83,3 +84,17 @@ def readonly_fs(tmp_path: Path) -> Iterator[Path]:
     """A read-only file system: even root cannot create files there."""
     with mounted_tmpfs(tmp_path / "ro", "ro", "size=1m") as p:
         yield p
+
+
+class Gate:
+    """An object that holds the thread pickling it (``torch.save`` of it, in a `TorchSave`)
+    until ``go`` is set: a save that stays in flight until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        self.entered.set()
+        self.go.wait(30)
+        return (int, (0,))

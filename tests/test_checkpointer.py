@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
 import aiopersist
+from tests.conftest import Gate
 
 pytestmark = pytest.mark.asyncio
 
@@ -112,20 +114,23 @@ async def test_snapshot_budget_is_enforced(tmp_path: Path) -> None:
 
 async def test_snapshot_saves_in_flight_each_have_their_own_copy(backend_name: str, tmp_path: Path) -> None:
     """Snapshot mode with two saves in flight: the second snapshot is taken while the
-    first save is still writing from its own, and must not land in that memory."""
-    t = torch.full((16 << 20,), 1.0)  # 64 MiB: the first write outlasts the second copy
+    first save is still writing from its own (held open by a Gate in its extra files),
+    and must not land in that memory."""
+    t = torch.full((4 << 20,), 1.0)
+    gate = Gate()
     async with aiopersist.Checkpointer(backend=backend_name, mode="snapshot", max_in_flight=2) as ck:
-        first = await ck.save({"t": t}, tmp_path / "a")
+        first = await ck.save({"t": t}, tmp_path / "a", extra_files={"gate.pt": aiopersist.TorchSave(gate)})
         await first.staged
         t.fill_(2.0)
         second = await ck.save({"t": t}, tmp_path / "b")
         await second.staged
         t.fill_(3.0)
-        assert not first.done.done()  # the two really were in flight together
-        await first.done
         await second.done
-    assert torch.equal((await aiopersist.load(tmp_path / "a"))["t"], torch.full((16 << 20,), 1.0))
-    assert torch.equal((await aiopersist.load(tmp_path / "b"))["t"], torch.full((16 << 20,), 2.0))
+        assert not first.done.done()  # the two really were in flight together
+        gate.go.set()
+        await first.done
+    assert torch.equal((await aiopersist.load(tmp_path / "a"))["t"], torch.full((4 << 20,), 1.0))
+    assert torch.equal((await aiopersist.load(tmp_path / "b"))["t"], torch.full((4 << 20,), 2.0))
 
 
 async def test_snapshot_save_returns_before_the_copy_is_taken(backend_name: str, tmp_path: Path) -> None:
@@ -235,3 +240,76 @@ async def test_extra_files_torch_save_stream_and_fence(tmp_path: Path, backend_n
     with pytest.raises(ValueError, match="uses"):
         async with aiopersist.Checkpointer(backend=backend) as ck:
             await (await ck.save(model, tmp_path / "x", extra_files={"aiopersist.json": b"{}"})).done
+
+
+class _Moments(NamedTuple):
+    avg: torch.Tensor
+    sq: torch.Tensor
+
+
+async def test_snapshot_copies_the_torch_save_extra_files_too(backend_name: str, tmp_path: Path) -> None:
+    """Snapshot mode: `staged` resolves once the TorchSave objects' tensors are copied as
+    well (an optimizer state, written by torch.save after `staged`, must not be torn by
+    the optimizer step that follows); the object keeps its structure and tensor types."""
+    big = torch.randn(8 << 20)  # 32 MiB: torch.save of it outlasts the mutation below
+    shared = torch.arange(10.0)
+    param = torch.nn.Parameter(torch.ones(3, 4))
+    strided = torch.randn(64, 64).t()
+    state = {
+        "state": {0: {"step": torch.tensor(7.0), "exp_avg": big}},
+        "param_groups": [{"lr": 1e-3, "params": [0]}],
+        "moments": _Moments(shared, shared),
+        "param": param,
+        "strided": strided,
+        "empty": torch.empty(0),
+    }
+    expected = {"big": big.clone(), "shared": shared.clone(), "strided": strided.clone()}
+    async with aiopersist.Checkpointer(backend=backend_name, mode="snapshot") as ck:
+        handle = await ck.save(
+            {"w": torch.ones(4)}, tmp_path / "c", extra_files={"optimizer.pt": aiopersist.TorchSave(state)}
+        )
+        await handle.staged
+        with torch.no_grad():
+            for t in (big, shared, param, strided):
+                t.fill_(-1.0)  # the optimizer step
+            state["state"][0]["step"].add_(1)  # type: ignore[index]
+        await handle.done
+    back = torch.load(tmp_path / "c" / "optimizer.pt", weights_only=False)
+    assert torch.equal(back["state"][0]["exp_avg"], expected["big"])
+    assert back["state"][0]["step"].item() == 7.0
+    assert back["param_groups"] == [{"lr": 1e-3, "params": [0]}]
+    assert isinstance(back["moments"], _Moments)
+    assert torch.equal(back["moments"].avg, expected["shared"])
+    assert back["moments"].avg is back["moments"].sq  # one tensor in, one tensor out
+    assert isinstance(back["param"], torch.nn.Parameter)
+    assert back["param"].requires_grad
+    assert torch.equal(back["param"], torch.ones(3, 4))
+    assert torch.equal(back["strided"], expected["strided"])
+    assert back["empty"].shape == (0,)
+    await aiopersist.verify(tmp_path / "c")
+
+
+async def test_snapshot_budget_counts_the_torch_save_extra_files(tmp_path: Path) -> None:
+    async with aiopersist.Checkpointer(mode="snapshot", snapshot_bytes=1 << 20) as ck:
+        extra = {"optimizer.pt": aiopersist.TorchSave({"m": torch.zeros(1 << 18)})}  # exactly 1 MiB
+        with pytest.raises(aiopersist.SnapshotBudgetError, match="TorchSave"):
+            await ck.save({"w": torch.ones(16)}, tmp_path / "c", extra_files=extra)
+        assert not (tmp_path / "c").exists()
+        await (await ck.save({"w": torch.ones(16)}, tmp_path / "d")).done
+
+
+async def test_cancelling_a_snapshot_copy_waits_for_it(backend_name: str, tmp_path: Path) -> None:
+    """Cancelled while its copy runs (in a thread, which cannot be interrupted), a
+    snapshot save ends only once the copy is over: its memory is then free to reuse."""
+    source = torch.randn(64 << 20)  # 256 MiB to copy
+    async with aiopersist.Checkpointer(backend=backend_name, mode="snapshot") as ck:
+        handle = await ck.save({"t": source}, tmp_path / "c")
+        await asyncio.sleep(0.005)  # the save's task has started its copy
+        for task in list(ck._tasks):
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handle.done
+        (memory,) = ck._snapshots  # given back: nobody writes into it any more
+        copy = torch.frombuffer(memory.view, dtype=torch.float32, count=source.numel())
+        assert torch.equal(copy, source)
+    assert not (tmp_path / "c").exists()

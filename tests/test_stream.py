@@ -14,6 +14,7 @@ import torch
 
 import aiopersist
 from aiopersist._stream import FileWriter, read_segments, run_all
+from tests.conftest import Gate
 
 pytestmark = pytest.mark.asyncio
 
@@ -284,21 +285,25 @@ async def test_a_failing_file_stops_the_others_before_the_save_raises(
 
 
 async def test_cancelling_a_save_stops_its_torch_save_thread(backend_name: str, tmp_path: Path) -> None:
-    """A file that torch.save produces in a worker thread: cancelling the save stops the
-    thread at its next write and waits for it; nothing is left running or on disk."""
-    big = {f"t{i}": _bytes(8 << 20, seed=i) for i in range(24)}  # 192 MiB of torch.save output
+    """A file that torch.save produces in a worker thread: cancelling the save waits for
+    the thread (it cannot be interrupted), stops it at its next write, and leaves nothing
+    running or on disk."""
+    gate = Gate()
+    obj = {"gate": gate, "big": _bytes(8 << 20)}
     task = asyncio.ensure_future(
         aiopersist.save(
             {"w": _bytes(1024)},
             tmp_path / "ck",
-            extra_files={"optimizer.pt": aiopersist.TorchSave(big)},
+            extra_files={"optimizer.pt": aiopersist.TorchSave(obj)},
             backend=backend_name,
         )
     )
     with _loop_errors() as unhandled:
-        await asyncio.sleep(0.2)
-        assert not task.done()
+        assert await asyncio.to_thread(gate.entered.wait, 30)  # torch.save is pickling
         task.cancel()
+        await asyncio.sleep(0.1)
+        assert not task.done()  # waiting for the thread, which still uses the writer
+        gate.go.set()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert not _others()
