@@ -67,8 +67,12 @@ class _StopAt(transformers.TrainerCallback):  # type: ignore[misc]
             control.should_training_stop = True
 
 
-@pytest.mark.parametrize("backend", ["threads", "io_uring"])
-def test_stock_trainer_resumes_bit_exactly_from_callback_checkpoints(tmp_path: Path, backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "mode"), [("threads", "fence"), ("io_uring", "fence"), ("threads", "snapshot")]
+)
+def test_stock_trainer_resumes_bit_exactly_from_callback_checkpoints(
+    tmp_path: Path, backend: str, mode: Any
+) -> None:
     if backend == "io_uring" and not aiopersist.probe_io_uring().usable:
         pytest.skip("io_uring unavailable")
     # The reference: a stock Trainer, never interrupted, saving nothing.
@@ -77,7 +81,7 @@ def test_stock_trainer_resumes_bit_exactly_from_callback_checkpoints(tmp_path: P
     reference = _weights(stock)
 
     # With the callback, interrupted after step 4.
-    callback = AioPersistCallback(backend=backend)
+    callback = AioPersistCallback(backend=backend, mode=mode)
     first = _trainer(tmp_path / "run", [callback, _StopAt(4)])
     first.train()
     ckpt = tmp_path / "run" / "checkpoint-4"
