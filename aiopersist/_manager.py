@@ -60,44 +60,81 @@ TRASH_MARKER = ".aiopersist-trash-"
 LOCK_NAME = ".aiopersist-manager.lock"
 
 
+_held_locks: dict[int, weakref.finalize[Any, Any]] = {}
+"""The lock files this process holds open, by descriptor, with what closes each."""
+
+
+def _close_lock(fd: int) -> None:
+    _held_locks.pop(fd, None)
+    os.close(fd)
+
+
+def _forget_locks_after_fork() -> None:
+    # The child shares each lock with the parent (one open file): closing its copy drops
+    # only its reference (an unlock here would drop the parent's lock too).
+    for fd, closer in list(_held_locks.items()):
+        closer.detach()
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks_after_fork)
+
+
 class DirectoryLock:
     """An exclusive ``flock`` on ``DIRECTORY/.aiopersist-manager.lock``, held until
     `release` (or until the process ends: the kernel drops it, so a killed manager never
     leaves a stale lock). The holder writes ``pid N on HOST`` into the file, for the error
     the next one gets. The file itself stays: removing it would race with a new holder.
 
-    Raises `DirectoryInUseError` when another holder has it. A file system without
+    Raises `DirectoryInUseError` when another holder has it. A directory where the lock
+    file cannot be made (read-only: EROFS, EACCES, EPERM) or a file system without
     ``flock`` (some FUSE and network mounts answer ENOLCK or EOPNOTSUPP) gets a warning
-    and no lock.
+    and no lock. A process forked while the lock is held closes its copy of the file at
+    once, so the lock never outlives its holder in a child (a DataLoader worker, say).
     """
 
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, LOCK_NAME)
+        self._release: Callable[[], None] = lambda: None
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise from_os_error(exc, "open", self.path) from exc
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise from_os_error(exc, "open", self.path) from exc
+            self._unlocked(directory, exc)
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
-            os.close(fd)
+            try:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            except OSError:
+                holder = ""
+            finally:
+                os.close(fd)
             raise DirectoryInUseError(directory, holder) from None
         except OSError as exc:
             os.close(fd)
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise from_os_error(exc, "flock", self.path) from exc
-            log.warning(
-                "aiopersist: %s cannot be locked (%s): one manager per directory is not enforced",
-                directory,
-                exc.strerror,
-            )
-            self._release: Callable[[], None] = lambda: None
+            self._unlocked(directory, exc)
             return
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        self._release = weakref.finalize(self, os.close, fd)
+        closer = weakref.finalize(self, _close_lock, fd)
+        _held_locks[fd] = closer
+        self._release = closer
+
+    @staticmethod
+    def _unlocked(directory: str, exc: OSError) -> None:
+        log.warning(
+            "aiopersist: %s cannot be locked (%s): one manager per directory is not enforced",
+            directory,
+            exc.strerror,
+        )
 
     def release(self) -> None:
         """Drop the lock (closing the file drops it); a second call does nothing."""
@@ -395,9 +432,13 @@ class CheckpointManager:
                 log.info("aiopersist: removed %s, left by an interrupted save or deletion", path)
         # Made once the directories are ours: a refused manager leaves nothing to close.
         self._own = checkpointer is None
-        self.checkpointer = (
-            checkpointer if checkpointer is not None else Checkpointer(backend=backend, mode=mode)
-        )
+        try:
+            self.checkpointer = (
+                checkpointer if checkpointer is not None else Checkpointer(backend=backend, mode=mode)
+            )
+        except BaseException:
+            self._unlock()
+            raise
 
     def _lock_directories(self) -> None:
         """One manager per directory: its start-up cleanup, retention and mirroring would

@@ -438,3 +438,57 @@ def test_directory_in_use_error_pickles() -> None:
     exc = aiopersist.DirectoryInUseError("/ck", "pid 1 on h")
     back = pickle.loads(pickle.dumps(exc))
     assert (back.directory, back.holder, str(back)) == ("/ck", "pid 1 on h", str(exc))
+
+
+def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
+    """A process forked while a manager is open (a DataLoader worker, say) closes its copy
+    of the lock file at once: when the manager closes, the directory is free, though the
+    child lives on."""
+    mgr = aiopersist.BlockingCheckpointManager(tmp_path / "ck")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: waits until the parent is done, touching nothing else
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        mgr.close()
+        aiopersist.BlockingCheckpointManager(tmp_path / "ck").close()
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def test_a_refused_argument_leaves_the_directory_unlocked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mode") as info:
+        aiopersist.CheckpointManager(tmp_path / "ck", mode="bogus")  # type: ignore[arg-type]
+    assert info.value is not None  # the traceback (and the half-made manager) still alive
+    aiopersist.BlockingCheckpointManager(tmp_path / "ck").close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_read_only_directory_is_managed_unlocked(
+    tmp_path: Path, backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory on a read-only mount (to restore from) cannot hold the lock file: the
+    manager warns and goes on without the lock."""
+    src = tmp_path / "src"
+    with aiopersist.BlockingCheckpointManager(src, backend=backend) as mgr:
+        mgr.save(5, state_of(5)).wait()
+    os.remove(src / LOCK_NAME)  # the lock file the first manager left
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", str(src), str(ro)], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a bind mount here")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        with (
+            caplog.at_level(logging.WARNING, logger="aiopersist"),
+            aiopersist.BlockingCheckpointManager(ro, backend=backend) as mgr,
+        ):
+            assert mgr.restore()["step"] == 5
+        assert "cannot be locked" in caplog.text
+        assert "Read-only" in caplog.text
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
