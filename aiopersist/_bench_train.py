@@ -236,7 +236,7 @@ def _calibrate(probe: _Loop, ck: BlockingCheckpointer, path: str, out: TextIO) -
     A step costs a fixed part (the optimizer's pass over every parameter, the per-layer
     overhead) plus a part per sample, and the part per sample is not constant (caches),
     so the batch is found by the secant method on measured step times, starting from two
-    small batches, until a step is within 10% of the save.
+    small batches, until a step is within 10% of the save (at most 4 more steps).
     """
     saves = []
     for _ in range(2):
@@ -245,17 +245,28 @@ def _calibrate(probe: _Loop, ck: BlockingCheckpointer, path: str, out: TextIO) -
     save_s = min(saves)  # the first save also pays for the staging pool's first touch
     points = [(b, _step_seconds(probe, b)) for b in (32, 128)]
     for _ in range(4):
-        (b0, t0), (b1, t1) = points[-2:]
-        if abs(t1 / save_s - 1) <= 0.10:
-            break
-        per_sample = max((t1 - t0) / (b1 - b0), 1e-6) if b1 != b0 else t1 / b1
-        b = max(8, min(64 * b1, round(b1 + (save_s - t1) / per_sample)))
-        if b == b1:
+        b = next_batch(points, save_s)
+        if b is None:
             break
         points.append((b, _step_seconds(probe, b)))
     batch, step_s = min(points, key=lambda p: abs(p[1] - save_s))
     out.write(f"calibration: one save {save_s:.2f} s on its own; batch {batch}: a step {step_s:.2f} s\n")
     return batch
+
+
+def next_batch(points: Sequence[tuple[int, float]], save_s: float) -> int | None:
+    """The next batch size to try, from the last two (batch, step seconds) measured; None
+    when the last step is within 10% of ``save_s`` or the batch would not change."""
+    (b0, t0), (b1, t1) = points[-2:]
+    if abs(t1 / save_s - 1) <= 0.10:
+        return None
+    slope = (t1 - t0) / (b1 - b0) if b1 != b0 else 0.0
+    # A noisy pair of steps can give a slope near 0 or below: then the whole step is taken
+    # as per-sample cost (an underestimate of the batch, corrected on the next round).
+    per_sample = slope if slope > 0 else t1 / b1
+    # At most 4x either way per round: one noisy step must not send the batch flying.
+    b = max(8, b1 // 4, min(4 * b1, round(b1 + (save_s - t1) / per_sample)))
+    return None if b == b1 else b
 
 
 def _python_pace(until: Callable[[], bool], at_least: float = 0.0) -> float:
