@@ -19,6 +19,7 @@ save waits for a free slot, or is skipped with a log line (``on_busy="skip"``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 from collections.abc import Callable, Mapping
@@ -92,6 +93,18 @@ def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
             fut.cancel()
         else:
             fut.set_exception(exc)
+
+
+class _Slot:
+    """One save's place among ``max_in_flight``: released once, by whoever comes first."""
+
+    def __init__(self, slots: asyncio.Semaphore) -> None:
+        self._slots: asyncio.Semaphore | None = slots
+
+    def release(self) -> None:
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.release()
 
 
 @dataclass(frozen=True)
@@ -179,6 +192,11 @@ class Checkpointer:
                 "max_in_flight > 1 with several ranks: saves would exchange metadata in an order "
                 "that may differ between ranks; use max_in_flight=1"
             )
+        if coord is not None and self.on_busy == "skip":
+            raise ValueError(
+                "on_busy='skip' with several ranks: each rank would decide alone, so one could skip "
+                "a save another one runs; use on_busy='wait'"
+            )
         loop = asyncio.get_running_loop()
         start = loop.time()
         if self._slots is None:
@@ -192,7 +210,10 @@ class Checkpointer:
             _resolve(handle.done, None)
             return handle
         await self._slots.acquire()
+        slot = _Slot(self._slots)
         try:
+            if self._closed:
+                raise RuntimeError("the Checkpointer was closed while this save waited for a slot")
             spread: _Spread | None = None
             planned: list[PlannedFile] = []
             flat: Flattened | Exception
@@ -216,13 +237,13 @@ class Checkpointer:
             if self.mode == "snapshot" and isinstance(flat, Flattened):
                 self._check_budget(flat, extra_files)  # the copy itself is the save task's first step
         except BaseException:
-            self._slots.release()
+            slot.release()
             raise
         task = asyncio.ensure_future(
-            self._run(handle, flat, planned, metadata, overwrite, spread, extra_files)
+            self._run(handle, slot, flat, planned, metadata, overwrite, spread, extra_files)
         )
         self._tasks.add(task)
-        task.add_done_callback(lambda t: self._finished(t, handle))
+        task.add_done_callback(lambda t: self._finished(t, handle, slot))
         self._handles = [h for h in self._handles if not h.done.done()] + [handle]
         handle.blocked_seconds = loop.time() - start
         return handle
@@ -233,18 +254,30 @@ class Checkpointer:
             await asyncio.wait([handle.staged])
 
     async def wait(self) -> None:
-        """Wait until every save in flight is durable (errors stay on their handles)."""
-        if self._tasks:
+        """Wait until every save in flight is durable (errors stay on their handles), and
+        the deletions of the checkpoints they replaced are over."""
+        while self._tasks:  # a save ending schedules its deletion task: wait for that too
             await asyncio.wait(list(self._tasks))
 
     async def aclose(self) -> None:
-        """Let the saves in flight finish (a cancelled caller leaves no corrupt final
-        directory either way), then release the ring, the pool and the snapshot."""
+        """Let the saves in flight finish, then release the ring, the pool and the snapshot.
+
+        If the caller is cancelled meanwhile, the saves in flight are cancelled (none
+        leaves a final directory) and waited for before anything is released."""
         if self._closed:
             return
         self._closed = True
         try:
-            await self.wait()
+            try:
+                await self.wait()
+            except BaseException:
+                while self._tasks:
+                    tasks = list(self._tasks)
+                    for task in tasks:
+                        task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):  # cancelled again: wait on
+                        await settle(tasks)
+                raise
         finally:
             if self._backend is not None:
                 await self._backend.aclose()
@@ -264,6 +297,7 @@ class Checkpointer:
     async def _run(
         self,
         handle: SaveHandle,
+        slot: _Slot,
         flat: Flattened | Exception,
         planned: list[PlannedFile],
         metadata: Mapping[str, str] | None,
@@ -309,38 +343,44 @@ class Checkpointer:
                     extra_files=extra_files,
                 )
         except BaseException as exc:
-            _fail(handle.staged, exc)
-            _fail(handle.done, exc)
-            # The error is the caller's, on the handle; seen here so asyncio does not log it.
-            for fut in (handle.staged, handle.done):
-                if fut.done() and not fut.cancelled():
-                    fut.exception()
-            if not isinstance(exc, Exception):
-                raise
+            error: BaseException | None = exc
         else:
-            _resolve(handle.staged, None)
-            _resolve(handle.done, info)
+            error = None
         finally:
+            # Everything the save held is given back before `done` resolves, so a caller
+            # that awaited `done` finds the slot free (on_busy="skip" does not skip).
             if memory is not None:
                 if self._closed:
                     memory.close()
                 else:
                     self._snapshots.append(memory)
+            slot.release()
             if replaced:
                 # The checkpoint this one replaced is deleted after `done`, off its clock.
                 self._cleanup(replaced)
+        if error is None:
+            _resolve(handle.staged, None)
+            _resolve(handle.done, info)
+            return
+        _fail(handle.staged, error)
+        _fail(handle.done, error)
+        # The error is the caller's, on the handle; seen here so asyncio does not log it.
+        for fut in (handle.staged, handle.done):
+            if fut.done() and not fut.cancelled():
+                fut.exception()
+        if not isinstance(error, Exception):
+            raise error
 
     def _cleanup(self, paths: list[str]) -> None:
         task = asyncio.ensure_future(asyncio.to_thread(_delete_all, paths))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _finished(self, task: asyncio.Future[None], handle: SaveHandle) -> None:
+    def _finished(self, task: asyncio.Future[None], handle: SaveHandle, slot: _Slot) -> None:
         # Runs however the task ended, also when it was cancelled before it ever started
         # (then _run's own handlers never ran): the slot and the handle are settled here.
         self._tasks.discard(task)
-        assert self._slots is not None
-        self._slots.release()
+        slot.release()
         if task.cancelled():
             _fail(handle.staged, asyncio.CancelledError())
             _fail(handle.done, asyncio.CancelledError())

@@ -42,7 +42,7 @@ def as_bytes_tensor(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-async def settle(tasks: Sequence[asyncio.Task[Any]]) -> None:
+async def settle(tasks: Sequence[asyncio.Future[Any]]) -> None:
     """Wait until every task has finished, even if the caller is cancelled meanwhile."""
     cancelled = False
     pending = [t for t in tasks if not t.done()]
@@ -299,17 +299,17 @@ class FileWriter:
         """Write the tail, wait for every request, set the exact size, fsync, close."""
         assert self._fd is not None, "open() first"
         padded = False
-        if self._buf is not None and self._fill:
-            length = self._fill
-            if self._dio.direct:
-                length = self._dio.align_up(self._fill)
-                padded = length != self._fill
-                self._buf.view[self._fill : length] = bytes(length - self._fill)
-            self._launch(length)
-        elif self._buf is not None:
-            self._pool.release(self._buf)
-            self._buf = None
         try:
+            if self._buf is not None and self._fill:
+                length = self._fill
+                if self._dio.direct:
+                    length = self._dio.align_up(self._fill)
+                    padded = length != self._fill
+                    self._buf.view[self._fill : length] = bytes(length - self._fill)
+                self._launch(length)  # the checksum runs here: if it fails, abort below
+            elif self._buf is not None:
+                self._pool.release(self._buf)
+                self._buf = None
             await settle(self._pending)
             self._raise_failed()
             if padded:
@@ -331,10 +331,12 @@ class FileWriter:
             self._pool.release(self._buf)
             self._buf = None
         pending, self._pending = self._pending, []
-        await settle(pending)
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            await self._backend.close(fd)
+        try:
+            await settle(pending)  # raises CancelledError only after they have all ended
+        finally:
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                await self._backend.close(fd)
 
 
 def _plan_windows(ranges: Sequence[tuple[int, int]], align: int, window: int) -> list[tuple[int, int]]:

@@ -95,6 +95,12 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         return {"bytes": info.bytes_written}
     if name == "checkpointer":
         state = model_state()
+        async with aiopersist.Checkpointer(backend=backend, on_busy="skip") as skipper:
+            try:
+                await skipper.save(state, paths, replicated=True)
+                refused = ""
+            except ValueError as exc:  # each rank would decide alone whether to skip
+                refused = str(exc)
         async with aiopersist.Checkpointer(backend=backend) as ck:
             handle = await ck.save(state, paths, replicated=True)
             await handle.staged
@@ -102,7 +108,7 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
                 for p in state["model"].parameters():
                     p.add_(1.0)
             info = await handle.done
-        return {"bytes": info.bytes_written}
+        return {"bytes": info.bytes_written, "skip_refused": refused}
     if name == "manager":
         dirs = [os.path.join(base, "a"), os.path.join(base, "b")]
         async with aiopersist.CheckpointManager(dirs, keep_last=1, backend=backend) as mgr:

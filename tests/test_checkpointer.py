@@ -83,14 +83,19 @@ async def test_on_busy_skip_and_wait(backend_name: str, tmp_path: Path) -> None:
         assert await second.done is None
         await first.done
     assert not (tmp_path / "b").exists()
-    order: list[str] = []
+    async with aiopersist.Checkpointer(backend=backend_name, on_busy="skip") as ck:
+        for name in ("e", "f"):  # once `done` has resolved, the next save is not skipped
+            handle = await ck.save(_state(3), tmp_path / name)
+            assert not handle.skipped
+            await handle.done
+    assert (await aiopersist.load(tmp_path / "f"))["step"] == 3
     async with aiopersist.Checkpointer(backend=backend_name, on_busy="wait") as ck:
         first = await ck.save(_state(1), tmp_path / "c")
-        first.done.add_done_callback(lambda _f: order.append("first done"))
         second = await ck.save(_state(2), tmp_path / "d")  # waits for the first: no interleaving
-        order.append("second started")
+        assert first.done.done()
+        assert not second.done.done()
+        assert (await first.done) is not None
         await second.done
-    assert order == ["first done", "second started"]
     assert (await aiopersist.load(tmp_path / "d"))["step"] == 2
 
 
@@ -159,6 +164,40 @@ async def test_cancelled_save_leaves_no_final_directory(backend_name: str, tmp_p
             await handle.done
     assert sorted(os.listdir(tmp_path)) == ["c"]
     assert (await aiopersist.load(tmp_path / "c"))["step"] == 0  # the older one, intact
+
+
+async def test_aclose_refuses_a_save_that_waited_for_a_slot(backend_name: str, tmp_path: Path) -> None:
+    gate = Gate()
+    ck = aiopersist.Checkpointer(backend=backend_name)
+    first = await ck.save(_state(1), tmp_path / "a", extra_files={"gate.pt": aiopersist.TorchSave(gate)})
+    queued = asyncio.ensure_future(ck.save(_state(2), tmp_path / "b"))  # waits for the slot
+    await asyncio.to_thread(gate.entered.wait, 30)
+    closing = asyncio.ensure_future(ck.aclose())
+    await asyncio.sleep(0.05)
+    gate.go.set()
+    await closing
+    with pytest.raises(RuntimeError, match="closed while this save waited"):
+        await queued
+    assert (await first.done) is not None
+    assert sorted(os.listdir(tmp_path)) == ["a"]
+
+
+async def test_cancelled_aclose_cancels_the_saves_before_releasing(backend_name: str, tmp_path: Path) -> None:
+    gate = Gate()
+    ck = aiopersist.Checkpointer(backend=backend_name)
+    handle = await ck.save(_state(1), tmp_path / "a", extra_files={"gate.pt": aiopersist.TorchSave(gate)})
+    await asyncio.to_thread(gate.entered.wait, 30)
+    closing = asyncio.ensure_future(ck.aclose())
+    await asyncio.sleep(0.05)
+    closing.cancel()
+    await asyncio.sleep(0.05)
+    gate.go.set()  # the pickling thread cannot be stopped: aclose waits for it
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert not ck._tasks  # nothing still running on the backend it released
+    with pytest.raises(asyncio.CancelledError):
+        await handle.done
+    assert os.listdir(tmp_path) == []
 
 
 async def test_aclose_drains_saves_in_flight(backend_name: str, tmp_path: Path) -> None:

@@ -126,6 +126,7 @@ def test_checkpointer_over_two_ranks_fence_then_mutate(tmp_path: Path, backend: 
     outs = run_ranks("checkpointer", tmp_path, backend)
     assert all("ok" in o for o in outs), outs
     assert all(o["ok"]["bytes"] > 0 for o in outs)
+    assert all("on_busy='skip' with several ranks" in o["ok"]["skip_refused"] for o in outs)
     back = aiopersist.load_sync(tmp_path / "a" / "ck", backend=backend)
     for k, v in model_state()["model"].state_dict().items():
         assert torch.equal(back["model"][k], v), k  # what was saved, not the mutation after staged

@@ -309,3 +309,31 @@ async def test_cancelling_a_save_stops_its_torch_save_thread(backend_name: str, 
         assert not _others()
     assert unhandled == []
     assert os.listdir(tmp_path) == []
+
+
+class _BrokenHasher:
+    """A checksum that fails on its ``fail_at``-th update."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.left = fail_at
+
+    def update(self, data: object, /) -> None:
+        self.left -= 1
+        if self.left == 0:
+            raise ZeroDivisionError("hasher broke")
+
+
+@pytest.mark.parametrize("fail_at", [1, 3])  # a full buffer's checksum (in write), or the tail's (in finish)
+async def test_a_failing_checksum_leaks_no_fd_and_no_buffer(
+    backend: aiopersist.IOBackend, tmp_path: Path, fail_at: int
+) -> None:
+    dio = aiopersist.probe_directory(tmp_path)
+    pool = aiopersist.StagingPool(CHUNK, 3)
+    fds = len(os.listdir("/proc/self/fd"))
+    w = FileWriter(backend, tmp_path / "f.bin", dio, pool, hasher=_BrokenHasher(fail_at))
+    with pytest.raises(ZeroDivisionError, match="hasher broke"):
+        async with w:
+            await w.write(_bytes(2 * CHUNK + 100))
+    assert pool.in_use == 0
+    assert len(os.listdir("/proc/self/fd")) == fds
+    pool.close()
