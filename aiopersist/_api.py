@@ -52,7 +52,7 @@ from ._manifest import (
     safe_file_name,
 )
 from ._staging import StagingPool
-from ._stream import FileWriter, read_segments, run_all, settle
+from ._stream import FileWriter, read_segments, run_all, settle, wait_cuda_ready
 
 MODEL_FILE = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
@@ -181,6 +181,11 @@ class _TorchSaveSink:
         return True
 
 
+def _torch_save_when_ready(obj: object, sink: _TorchSaveSink) -> None:
+    wait_cuda_ready()  # torch.save copies CUDA tensors on this thread's streams
+    torch.save(obj, cast(Any, sink))
+
+
 async def write_torch_save(
     be: IOBackend,
     path: str,
@@ -194,7 +199,7 @@ async def write_torch_save(
     loop = asyncio.get_running_loop()
     async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
         sink = _TorchSaveSink(writer, loop)
-        thread = asyncio.ensure_future(asyncio.to_thread(torch.save, obj, cast(Any, sink)))
+        thread = asyncio.ensure_future(asyncio.to_thread(_torch_save_when_ready, obj, sink))
         try:
             await asyncio.shield(thread)
         except asyncio.CancelledError:

@@ -18,6 +18,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from ._api import ExtraFiles, PathArg, SaveInfo
 from ._checkpointer import Checkpointer, Mode, OnBusy, SaveHandle
 from ._manager import CheckpointManager, ManagedSaveHandle
+from ._stream import CudaReady, caller_cuda_ready
 
 
 async def _await(fut: Any) -> Any:
@@ -139,8 +140,13 @@ class BlockingCheckpointer(_OnPortal):
         replicated: bool | Callable[[str], bool] | None = None,
         group: Any = None,
         extra_files: ExtraFiles | None = None,
+        cuda_ready: CudaReady | None = None,
     ) -> BlockingSaveHandle:
-        """Start a save; returns once it is planned and started (see `Checkpointer.save`)."""
+        """Start a save; returns once it is planned and started (see `Checkpointer.save`).
+
+        CUDA tensors are read as they are on this thread's current stream of the current
+        device at this call (``cuda_ready`` as for `Checkpointer.save`)."""
+        ready = caller_cuda_ready() if cuda_ready is None else cuda_ready  # here, not in the loop's thread
         handle = self._portal.call(
             functools.partial(
                 self.checkpointer.save,
@@ -152,6 +158,7 @@ class BlockingCheckpointer(_OnPortal):
                 replicated=replicated,
                 group=group,
                 extra_files=extra_files,
+                cuda_ready=ready,
             )
         )
         return BlockingSaveHandle(self._portal, handle)
@@ -227,8 +234,11 @@ class BlockingCheckpointManager(_OnPortal):
         overwrite: bool = False,
         replicated: bool | Callable[[str], bool] | None = None,
         group: Any = None,
+        cuda_ready: CudaReady | None = None,
     ) -> BlockingManagedSaveHandle:
-        """Start saving step ``step``; see `CheckpointManager.save`."""
+        """Start saving step ``step``; see `CheckpointManager.save` (CUDA tensors as for
+        `BlockingCheckpointer.save`)."""
+        ready = caller_cuda_ready() if cuda_ready is None else cuda_ready
         managed = self._portal.call(
             functools.partial(
                 self.manager.save,
@@ -238,6 +248,7 @@ class BlockingCheckpointManager(_OnPortal):
                 overwrite=overwrite,
                 replicated=replicated,
                 group=group,
+                cuda_ready=ready,
             )
         )
         return BlockingManagedSaveHandle(self._portal, managed)

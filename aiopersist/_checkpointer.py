@@ -22,9 +22,9 @@ import asyncio
 import contextlib
 import copy
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -48,7 +48,7 @@ from ._exceptions import AiopersistError
 from ._flatten import Flattened, StoredTensor, flatten
 from ._parallel import save_spread
 from ._staging import StagingPool
-from ._stream import settle
+from ._stream import CudaReady, record_cuda_ready, settle, use_cuda_ready, wait_cuda_ready
 
 log = logging.getLogger("aiopersist")
 
@@ -172,6 +172,7 @@ class Checkpointer:
         replicated: bool | Callable[[str], bool] | None = None,
         group: Any = None,
         extra_files: ExtraFiles | None = None,
+        cuda_ready: CudaReady | None = None,
     ) -> SaveHandle:
         """Start saving ``state`` to ``path``; returns once the save is planned and started.
 
@@ -182,6 +183,12 @@ class Checkpointer:
         ``group``); ``staged`` then means this rank's bytes are out of its tensors.
         ``extra_files`` as for `aiopersist.save`: a `TorchSave` in it counts for ``staged``
         (fence mode) or is copied with the state (snapshot mode).
+
+        CUDA tensors are read as they are at this call on the caller's current stream of
+        their device: an event is recorded there, and the copies out of the tensors wait
+        for it on the GPU (not for the work queued after it). ``cuda_ready`` gives those
+        events instead (device index -> ``torch.cuda.Event``), for a state produced on
+        other streams; devices it leaves out get an event here.
         """
         if self._closed:
             raise RuntimeError("the Checkpointer is closed")
@@ -236,11 +243,12 @@ class Checkpointer:
             handle = SaveHandle(target, loop.create_future(), loop.create_future())
             if self.mode == "snapshot" and isinstance(flat, Flattened):
                 self._check_budget(flat, extra_files)  # the copy itself is the save task's first step
+            ready = _cuda_ready(flat, extra_files, cuda_ready)
         except BaseException:
             slot.release()
             raise
         task = asyncio.ensure_future(
-            self._run(handle, slot, flat, planned, metadata, overwrite, spread, extra_files)
+            self._run(handle, slot, flat, planned, metadata, overwrite, spread, extra_files, ready)
         )
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._finished(t, handle, slot))
@@ -303,16 +311,20 @@ class Checkpointer:
         metadata: Mapping[str, str] | None,
         overwrite: bool,
         spread: _Spread | None,
-        extra_files: ExtraFiles | None = None,
+        extra_files: ExtraFiles | None,
+        ready: CudaReady,
     ) -> None:
         assert self._backend is not None
-        assert self._slots is not None
+        use_cuda_ready(ready)  # for this task, the tasks and the threads it starts
         replaced: list[str] = []  # filled from the publishing thread; list.append is atomic
         memory: AlignedBuffer | None = None
         try:
             if self.mode == "snapshot" and isinstance(flat, Flattened):
-                memory = self._snapshot_memory(self._check_budget(flat, extra_files))
-                flat, extra_files = await _take_snapshot(flat, extra_files, memory)
+                total = self._check_budget(flat, extra_files)
+                memory = self._snapshot_memory(total)
+                flat, extra_files = await _take_snapshot(
+                    flat, extra_files, memory, self.snapshot_bytes - total, self.snapshot_bytes
+                )
                 _resolve(handle.staged, None)
             if spread is not None:
                 info = await save_spread(
@@ -408,6 +420,22 @@ class Checkpointer:
         return AlignedBuffer(max(total, 1))
 
 
+def _cuda_ready(
+    flat: Flattened | Exception, extra_files: ExtraFiles | None, given: CudaReady | None
+) -> CudaReady:
+    """The ready event of every CUDA device the save reads from: ``given``'s, else one
+    recorded now on the caller's current stream of the device."""
+    ready = dict(given or {})
+    if not torch.cuda.is_available():
+        return ready
+    devices: set[int] = set()
+    if isinstance(flat, Flattened):
+        devices.update(s.source.device.index for s in flat.stored if s.source.is_cuda)
+    devices.update(t.device.index for t in _torch_save_tensors(extra_files) if t.is_cuda)
+    ready.update(record_cuda_ready(sorted(devices - ready.keys())))
+    return ready
+
+
 def _padded(n: int) -> int:
     return -(-n // 64) * 64  # every copy starts 64-byte aligned
 
@@ -416,9 +444,43 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _rebuildable(obj: object, seen: set[int] | None = None) -> bool:
+    """Whether `_with_copies` can rebuild ``obj`` with copies of all its tensors: it is
+    made of dicts, lists, tuples and namedtuples over tensors and plain values (as an
+    optimizer's or a scheduler's state dict is). Anything else may hide tensors."""
+    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+        return True
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return True
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        return all(_rebuildable(k, seen) and _rebuildable(v, seen) for k, v in obj.items())
+    if isinstance(obj, list) or type(obj) is tuple or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+        return all(_rebuildable(v, seen) for v in cast(Sequence[object], obj))
+    return False
+
+
+def _snapshot_split(extra_files: ExtraFiles | None) -> tuple[list[object], list[str]]:
+    """The `TorchSave` objects a snapshot copies tensor by tensor, and the names of those
+    it serializes whole instead (`_rebuildable` says which)."""
+    walked: list[object] = []
+    whole: list[str] = []
+    for name, content in (extra_files or {}).items():
+        if isinstance(content, TorchSave):
+            if _rebuildable(content.obj):
+                walked.append(content.obj)
+            else:
+                whole.append(name)
+    return walked, whole
+
+
 def _torch_save_tensors(extra_files: ExtraFiles | None) -> list[torch.Tensor]:
-    """The tensors inside the `TorchSave` objects of ``extra_files`` (in dicts, lists and
-    tuples, as in an optimizer's state dict), each once."""
+    """The tensors inside the rebuildable `TorchSave` objects of ``extra_files`` (in dicts,
+    lists and tuples, as in an optimizer's state dict), each once."""
     found: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
 
@@ -430,10 +492,42 @@ def _torch_save_tensors(extra_files: ExtraFiles | None) -> list[torch.Tensor]:
             for v in obj.values() if isinstance(obj, Mapping) else obj:
                 walk(v)
 
-    for content in (extra_files or {}).values():
-        if isinstance(content, TorchSave):
-            walk(content.obj)
+    for obj in _snapshot_split(extra_files)[0]:
+        walk(obj)
     return list(found.values())
+
+
+class _BoundedSink:
+    """What ``torch.save`` writes a snapshot into: memory, up to ``limit`` bytes."""
+
+    def __init__(self, name: str, limit: int, budget: int) -> None:
+        self.data = bytearray()
+        self.over: SnapshotBudgetError | None = None
+        """Set when the limit was hit (torch.save reports a failed write as its own error)."""
+        self._name = name
+        self._limit = limit  # what the tensors and the other whole ones left of ``budget``
+        self._budget = budget
+
+    def write(self, data: Any) -> int:
+        with memoryview(data) as view:
+            if len(self.data) + view.nbytes > self._limit:
+                self.over = SnapshotBudgetError(
+                    f"snapshot mode: the TorchSave extra file {self._name!r} (serialized whole: it "
+                    f"holds objects other than dicts, lists and tuples) does not fit in what is "
+                    f"left of snapshot_bytes={self._budget}; raise the budget or use mode='fence'"
+                )
+                raise self.over
+            self.data += view
+            return view.nbytes
+
+    def tell(self) -> int:
+        return len(self.data)
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
 
 
 def _with_copies(obj: Any, copies: Mapping[int, torch.Tensor]) -> Any:
@@ -455,11 +549,12 @@ def _with_copies(obj: Any, copies: Mapping[int, torch.Tensor]) -> Any:
 
 
 async def _take_snapshot(
-    flat: Flattened, extra_files: ExtraFiles | None, memory: AlignedBuffer
+    flat: Flattened, extra_files: ExtraFiles | None, memory: AlignedBuffer, left: int, budget: int
 ) -> tuple[Flattened, ExtraFiles | None]:
     """Copy every stored tensor, and every tensor of the `TorchSave` extra files, into
     ``memory`` (in a thread: the copies do not hold the GIL); return the state and the
-    extra files pointing at the copies."""
+    extra files pointing at the copies. A `TorchSave` that `_with_copies` cannot rebuild
+    is serialized whole into at most ``left`` bytes instead (in the same thread)."""
     jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
     pos = 0
 
@@ -479,7 +574,23 @@ async def _take_snapshot(
         if _nbytes(t):
             c = place(t.detach(), _nbytes(t))
             copies[id(t)] = torch.nn.Parameter(c, t.requires_grad) if isinstance(t, torch.nn.Parameter) else c
-    thread = asyncio.ensure_future(asyncio.to_thread(_copy_all, jobs))
+    whole = {name: cast(TorchSave, (extra_files or {})[name]).obj for name in _snapshot_split(extra_files)[1]}
+    sinks: dict[str, _BoundedSink] = {}
+
+    def copy_and_serialize() -> None:
+        _copy_all(jobs)
+        remaining = left
+        for name, obj in whole.items():
+            sinks[name] = sink = _BoundedSink(name, remaining, budget)
+            try:
+                torch.save(obj, cast(Any, sink))
+            except Exception:
+                if sink.over is not None:
+                    raise sink.over from None
+                raise
+            remaining -= len(sink.data)
+
+    thread = asyncio.ensure_future(asyncio.to_thread(copy_and_serialize))
     try:
         await asyncio.shield(thread)
     except asyncio.CancelledError:
@@ -487,9 +598,13 @@ async def _take_snapshot(
         # memory is neither reused nor unmapped before then.
         await settle([thread])
         raise
-    if extra_files is not None and copies:
+    if extra_files is not None and (copies or sinks):
         extra_files = {
-            name: TorchSave(_with_copies(c.obj, copies)) if isinstance(c, TorchSave) else c
+            name: cast(bytes, sinks[name].data)  # a bytearray: written as it is, not copied again
+            if name in sinks
+            else TorchSave(_with_copies(c.obj, copies))
+            if isinstance(c, TorchSave)
+            else c
             for name, c in extra_files.items()
         }
     return (
@@ -499,6 +614,7 @@ async def _take_snapshot(
 
 
 def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    wait_cuda_ready()  # the GPU tensors' copies run on this thread's streams
     for dst, src in jobs:
         if src.device.type == "cpu" and src.is_contiguous():
             copy_bytes(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())

@@ -52,6 +52,7 @@ from ._commit import OLD_MARKER, TMP_MARKER, fsync_directory, make_temp, publish
 from ._exceptions import AiopersistError, CheckpointNotFoundError, DirectoryInUseError, from_os_error
 from ._manifest import MANIFEST_NAME, dump_manifest
 from ._parallel import PART_PREFIX
+from ._stream import CudaReady
 
 log = logging.getLogger("aiopersist")
 
@@ -495,6 +496,7 @@ class CheckpointManager:
         overwrite: bool = False,
         replicated: bool | Callable[[str], bool] | None = None,
         group: Any = None,
+        cuda_ready: CudaReady | None = None,
     ) -> ManagedSaveHandle:
         """Start saving ``state`` as step ``step``; returns once the save is started (see
         `Checkpointer.save`). Retention and the mirror follow the commit, in the
@@ -509,7 +511,13 @@ class CheckpointManager:
         self._writing.add(step)
         try:
             handle = await self.checkpointer.save(
-                state, paths, metadata=meta, overwrite=overwrite, replicated=replicated, group=group
+                state,
+                paths,
+                metadata=meta,
+                overwrite=overwrite,
+                replicated=replicated,
+                group=group,
+                cuda_ready=cuda_ready,
             )
         except BaseException:
             self._writing.discard(step)

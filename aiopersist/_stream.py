@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextvars
 import itertools
 import os
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -40,6 +41,46 @@ def as_bytes_tensor(t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"expected a CPU tensor, got one on {t.device}")
     flat = t.contiguous().reshape(-1)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+CudaReady = Mapping[int, "torch.cuda.Event"]
+"""Per CUDA device index, an event that marks where on its stream the saved tensors are
+ready: the copies out of them wait for it (on the GPU), and for nothing later."""
+
+_CUDA_READY: contextvars.ContextVar[CudaReady | None] = contextvars.ContextVar(
+    "aiopersist_cuda_ready", default=None
+)
+
+
+def record_cuda_ready(devices: Iterable[int]) -> dict[int, torch.cuda.Event]:
+    """An event on the calling thread's current stream of each of ``devices``."""
+    events: dict[int, torch.cuda.Event] = {}
+    for index in devices:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(index))
+        events[index] = event
+    return events
+
+
+def caller_cuda_ready() -> dict[int, torch.cuda.Event]:
+    """For a save started from another thread (the blocking facades): an event on this
+    thread's current stream of the current device, when this process uses CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return {}
+    return record_cuda_ready([torch.cuda.current_device()])
+
+
+def use_cuda_ready(events: CudaReady) -> None:
+    """Make ``events`` the ready points for the writes of the current task (and of the
+    tasks and threads it starts from now on)."""
+    _CUDA_READY.set(events or None)
+
+
+def wait_cuda_ready() -> None:
+    """In a thread about to read CUDA tensors of the save with torch's own copies: order
+    this thread's current streams after the ready points."""
+    for index, event in (_CUDA_READY.get() or {}).items():
+        torch.cuda.current_stream(index).wait_event(event)
 
 
 async def settle(tasks: Sequence[asyncio.Future[Any]]) -> None:
@@ -232,9 +273,11 @@ class FileWriter:
         """A GPU tensor: chunks copied device-to-host into two pinned buffers on a side
         stream, the copy of chunk k+1 running while chunk k is staged and written.
 
-        The side stream waits (on the GPU, not the host) for the work already queued on
-        the current stream, so the bytes are those the caller sees; the training stream
-        itself is never synchronized.
+        The side stream waits (on the GPU, not the host) for the save's ready event on
+        this device (recorded on the caller's stream when the save was asked for; without
+        one, for the work queued on this thread's current stream), so the bytes are those
+        the caller saw, while later work on the training stream runs on; the training
+        stream itself is never synchronized.
         """
         if not data.is_contiguous():
             if data.dim() > 1:
@@ -251,7 +294,11 @@ class FileWriter:
         if self._pinned is None:
             self._pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         stream = torch.cuda.Stream(device=data.device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(data.device))
+        ready = (_CUDA_READY.get() or {}).get(data.device.index)
+        if ready is not None:
+            stream.wait_event(ready)  # the state as it was when the save was asked for
+        else:
+            stream.wait_stream(torch.cuda.current_stream(data.device))
 
         def start_copy(k: int) -> tuple[torch.cuda.Event, int]:
             assert self._pinned is not None

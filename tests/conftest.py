@@ -86,13 +86,20 @@ def readonly_fs(tmp_path: Path) -> Iterator[Path]:
         yield p
 
 
-class Gate:
+class Gate(dict[str, int]):
     """An object that holds the thread pickling it (``torch.save`` of it, in a `TorchSave`)
-    until ``go`` is set: a save that stays in flight until the test lets it go."""
+    until ``go`` is set: a save that stays in flight until the test lets it go.
+
+    An (empty) dict, so that snapshot mode copies it as it copies a state dict and
+    pickles it while writing, after ``staged``, as in fence mode."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.entered = threading.Event()
         self.go = threading.Event()
+
+    def __copy__(self) -> Gate:
+        return self  # the snapshot's copy of it holds the writer as well
 
     def __reduce__(self) -> tuple[type[int], tuple[int]]:
         self.entered.set()

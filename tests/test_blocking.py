@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+import torch
+
 import aiopersist
 from tests.test_checkpointer import _state
 
@@ -32,3 +35,18 @@ def test_blocking_facade_from_a_plain_thread(tmp_path: Path) -> None:
     back = aiopersist.load_sync(tmp_path / "c")
     assert back["step"] == 5
     assert float(back["weights"]["w0"].abs().sum()) > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_blocking_save_reads_cuda_tensors_as_the_calling_thread_left_them(tmp_path: Path) -> None:
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    w = torch.zeros(4 << 20, device="cuda")
+    torch.cuda.synchronize()
+    with aiopersist.BlockingCheckpointer() as ck:
+        with torch.cuda.stream(side):  # current in this thread only, not in the loop's thread
+            torch.cuda._sleep(500_000_000)  # type: ignore[no-untyped-call]
+            w.fill_(7.0)
+            handle = ck.save({"w": w}, tmp_path / "c")
+        handle.wait()
+    assert torch.equal(aiopersist.load_sync(tmp_path / "c")["w"], torch.full((4 << 20,), 7.0))

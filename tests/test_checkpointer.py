@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from pathlib import Path
 from typing import NamedTuple
@@ -239,6 +240,35 @@ async def test_cuda_state_fence_streams_through_pinned_buffers(backend_name: str
         assert torch.equal(back[k], v)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["fence", "snapshot"])
+async def test_cuda_state_made_on_a_side_stream_is_saved_as_the_caller_left_it(
+    backend_name: str, tmp_path: Path, mode: str
+) -> None:
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    w = torch.zeros(4 << 20, device="cuda")
+    torch.cuda.synchronize()
+    async with aiopersist.Checkpointer(backend=backend_name, mode=mode) as ck:  # type: ignore[arg-type]
+        with torch.cuda.stream(side):  # the training's own stream, not the default one
+            torch.cuda._sleep(500_000_000)  # type: ignore[no-untyped-call]  # the fill comes late
+            w.fill_(7.0)
+            handle = await ck.save({"w": w}, tmp_path / "c")
+        await handle.done
+    assert torch.equal((await aiopersist.load(tmp_path / "c"))["w"], torch.full((4 << 20,), 7.0))
+
+
+async def test_cuda_ready_is_empty_without_cuda_work() -> None:
+    from aiopersist._stream import caller_cuda_ready
+
+    if not torch.cuda.is_available():
+        assert caller_cuda_ready() == {}
+    else:
+        torch.zeros(1, device="cuda")
+        events = caller_cuda_ready()
+        assert list(events) == [torch.cuda.current_device()]
+
+
 async def test_replaced_checkpoint_is_deleted_after_done(backend_name: str, tmp_path: Path) -> None:
     async with aiopersist.Checkpointer(backend=backend_name) as ck:
         for step in range(3):
@@ -326,6 +356,53 @@ async def test_snapshot_copies_the_torch_save_extra_files_too(backend_name: str,
     assert torch.equal(back["strided"], expected["strided"])
     assert back["empty"].shape == (0,)
     await aiopersist.verify(tmp_path / "c")
+
+
+@dataclasses.dataclass
+class _Holder:
+    """Not a dict, list or tuple: snapshot mode cannot rebuild it around copies."""
+
+    t: torch.Tensor
+
+
+async def test_snapshot_serializes_torch_save_objects_it_cannot_rebuild(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A module, a dataclass: snapshot mode serializes such a `TorchSave` whole before
+    `staged`, so the optimizer step after it does not reach the file."""
+    module = torch.nn.Linear(256, 256)
+    holder = _Holder(torch.randn(4 << 20))  # 16 MiB
+    expected = {"weight": module.weight.detach().clone(), "held": holder.t.clone()}
+    extra = {
+        "module.pt": aiopersist.TorchSave(module),
+        "holder.pt": aiopersist.TorchSave({"h": holder}),
+        "plain.pt": aiopersist.TorchSave({"m": torch.ones(3)}),
+    }
+    async with aiopersist.Checkpointer(backend=backend_name, mode="snapshot") as ck:
+        handle = await ck.save({"w": torch.ones(4)}, tmp_path / "c", extra_files=extra)
+        await handle.staged
+        with torch.no_grad():
+            module.weight.fill_(-1.0)
+            holder.t.fill_(-1.0)
+        await handle.done
+    back = torch.load(tmp_path / "c" / "module.pt", weights_only=False)
+    assert isinstance(back, torch.nn.Linear)
+    assert torch.equal(back.weight, expected["weight"])
+    assert torch.equal(torch.load(tmp_path / "c" / "holder.pt", weights_only=False)["h"].t, expected["held"])
+    assert torch.equal(torch.load(tmp_path / "c" / "plain.pt")["m"], torch.ones(3))
+    await aiopersist.verify(tmp_path / "c")
+
+
+async def test_snapshot_budget_bounds_what_it_serializes_whole(backend_name: str, tmp_path: Path) -> None:
+    async with aiopersist.Checkpointer(backend=backend_name, mode="snapshot", snapshot_bytes=8 << 20) as ck:
+        extra = {"holder.pt": aiopersist.TorchSave(_Holder(torch.zeros(4 << 20)))}  # 16 MiB
+        handle = await ck.save({"w": torch.ones(16)}, tmp_path / "c", extra_files=extra)
+        with pytest.raises(aiopersist.SnapshotBudgetError, match=r"'holder\.pt'"):
+            await handle.staged
+        with pytest.raises(aiopersist.SnapshotBudgetError):
+            await handle.done
+        assert not (tmp_path / "c").exists()
+        await (await ck.save({"w": torch.ones(16)}, tmp_path / "d")).done
 
 
 async def test_snapshot_budget_counts_the_torch_save_extra_files(tmp_path: Path) -> None:
