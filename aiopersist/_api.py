@@ -52,7 +52,7 @@ from ._manifest import (
     safe_file_name,
 )
 from ._staging import StagingPool
-from ._stream import FileWriter, read_segments, run_all, settle, wait_cuda_ready
+from ._stream import FileWriter, cuda_ready_streams, read_segments, run_all, settle
 
 MODEL_FILE = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
@@ -182,8 +182,8 @@ class _TorchSaveSink:
 
 
 def _torch_save_when_ready(obj: object, sink: _TorchSaveSink) -> None:
-    wait_cuda_ready()  # torch.save copies CUDA tensors on this thread's streams
-    torch.save(obj, cast(Any, sink))
+    with cuda_ready_streams():  # torch.save copies CUDA tensors on this thread's streams
+        torch.save(obj, cast(Any, sink))
 
 
 async def write_torch_save(

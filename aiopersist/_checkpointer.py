@@ -19,6 +19,7 @@ save waits for a free slot, or is skipped with a log line (``on_busy="skip"``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import copy
 import logging
@@ -48,7 +49,7 @@ from ._exceptions import AiopersistError
 from ._flatten import Flattened, StoredTensor, flatten
 from ._parallel import save_spread
 from ._staging import StagingPool
-from ._stream import CudaReady, record_cuda_ready, settle, use_cuda_ready, wait_cuda_ready
+from ._stream import CudaReady, cuda_ready_streams, record_cuda_ready, settle, use_cuda_ready
 
 log = logging.getLogger("aiopersist")
 
@@ -151,7 +152,8 @@ class Checkpointer:
         self.pool = StagingPool(chunk, count)
         self._backend: IOBackend | None = None
         self._slots: asyncio.Semaphore | None = None
-        self._tasks: set[asyncio.Future[None]] = set()
+        self._tasks: set[asyncio.Future[None]] = set()  # the saves and the deletions
+        self._deletions: set[asyncio.Future[None]] = set()
         self._handles: list[SaveHandle] = []
         self._plan: tuple[tuple[object, ...], list[PlannedFile]] | None = None
         # Snapshot memory, one area per save in flight, reused: a save takes a free area
@@ -263,9 +265,13 @@ class Checkpointer:
 
     async def wait(self) -> None:
         """Wait until every save in flight is durable (errors stay on their handles), and
-        the deletions of the checkpoints they replaced are over."""
-        while self._tasks:  # a save ending schedules its deletion task: wait for that too
-            await asyncio.wait(list(self._tasks))
+        the deletions of the checkpoints they replaced are over. Saves started meanwhile
+        are not waited for."""
+        saves = [t for t in self._tasks if t not in self._deletions]
+        if saves:
+            await asyncio.wait(saves)
+        if self._deletions:  # those the saves above scheduled as they ended, and older ones
+            await asyncio.wait(list(self._deletions))
 
     async def aclose(self) -> None:
         """Let the saves in flight finish, then release the ring, the pool and the snapshot.
@@ -386,7 +392,9 @@ class Checkpointer:
     def _cleanup(self, paths: list[str]) -> None:
         task = asyncio.ensure_future(asyncio.to_thread(_delete_all, paths))
         self._tasks.add(task)
+        self._deletions.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._deletions.discard)
 
     def _finished(self, task: asyncio.Future[None], handle: SaveHandle, slot: _Slot) -> None:
         # Runs however the task ended, also when it was cancelled before it ever started
@@ -432,6 +440,8 @@ def _cuda_ready(
     if isinstance(flat, Flattened):
         devices.update(s.source.device.index for s in flat.stored if s.source.is_cuda)
     devices.update(t.device.index for t in _torch_save_tensors(extra_files) if t.is_cuda)
+    if _snapshot_split(extra_files)[1] and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        devices.add(torch.cuda.current_device())  # whole objects: their devices are not known
     ready.update(record_cuda_ready(sorted(devices - ready.keys())))
     return ready
 
@@ -448,20 +458,32 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 
 def _rebuildable(obj: object, seen: set[int] | None = None) -> bool:
-    """Whether `_with_copies` can rebuild ``obj`` with copies of all its tensors: it is
-    made of dicts, lists, tuples and namedtuples over tensors and plain values (as an
-    optimizer's or a scheduler's state dict is). Anything else may hide tensors."""
-    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+    """Whether `_with_copies` can rebuild ``obj`` with copies of all its tensors: a tree
+    (no container reached twice) of dicts, lists, tuples and namedtuples, keyed by plain
+    values, over plain values and dense tensors (as an optimizer's or a scheduler's state
+    dict is). Anything else may hide tensors, or lose what it is on a rebuild."""
+    if isinstance(obj, _PLAIN):
         return True
+    if isinstance(obj, torch.Tensor):
+        return type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided and not (
+            obj.is_quantized
+        )
     seen = set() if seen is None else seen
     if id(obj) in seen:
-        return True
+        return False  # shared or cyclic: a rebuild would split or never end
     seen.add(id(obj))
-    if isinstance(obj, dict):
-        return all(_rebuildable(k, seen) and _rebuildable(v, seen) for k, v in obj.items())
-    if isinstance(obj, list) or type(obj) is tuple or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+    if type(obj) in (dict, collections.OrderedDict, collections.defaultdict):
+        items = cast(dict[object, object], obj).items()
+        return all(isinstance(k, _PLAIN) and _rebuildable(v, seen) for k, v in items)
+    if type(obj) in (list, tuple) or (isinstance(obj, tuple) and _is_namedtuple(type(obj))):
         return all(_rebuildable(v, seen) for v in cast(Sequence[object], obj))
     return False
+
+
+def _is_namedtuple(cls: type) -> bool:
+    """A class made by ``collections.namedtuple`` or ``typing.NamedTuple`` (no state of its
+    own beyond its fields)."""
+    return tuple in cls.__bases__ and hasattr(cls, "_fields") and "__dict__" not in dir(cls)
 
 
 def _snapshot_split(extra_files: ExtraFiles | None) -> tuple[list[object], list[str]]:
@@ -578,17 +600,18 @@ async def _take_snapshot(
     sinks: dict[str, _BoundedSink] = {}
 
     def copy_and_serialize() -> None:
-        _copy_all(jobs)
-        remaining = left
-        for name, obj in whole.items():
-            sinks[name] = sink = _BoundedSink(name, remaining, budget)
-            try:
-                torch.save(obj, cast(Any, sink))
-            except Exception:
-                if sink.over is not None:
-                    raise sink.over from None
-                raise
-            remaining -= len(sink.data)
+        with cuda_ready_streams():  # the GPU tensors' copies run on this thread's streams
+            _copy_all(jobs)
+            remaining = left
+            for name, obj in whole.items():
+                sinks[name] = sink = _BoundedSink(name, remaining, budget)
+                try:
+                    torch.save(obj, cast(Any, sink))
+                except Exception:
+                    if sink.over is not None:
+                        raise sink.over from None
+                    raise
+                remaining -= len(sink.data)
 
     thread = asyncio.ensure_future(asyncio.to_thread(copy_and_serialize))
     try:
@@ -614,7 +637,6 @@ async def _take_snapshot(
 
 
 def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    wait_cuda_ready()  # the GPU tensors' copies run on this thread's streams
     for dst, src in jobs:
         if src.device.type == "cpu" and src.is_contiguous():
             copy_bytes(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())

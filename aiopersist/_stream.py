@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import contextvars
 import itertools
 import os
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -76,11 +77,18 @@ def use_cuda_ready(events: CudaReady) -> None:
     _CUDA_READY.set(events or None)
 
 
-def wait_cuda_ready() -> None:
-    """In a thread about to read CUDA tensors of the save with torch's own copies: order
-    this thread's current streams after the ready points."""
-    for index, event in (_CUDA_READY.get() or {}).items():
-        torch.cuda.current_stream(index).wait_event(event)
+@contextlib.contextmanager
+def cuda_ready_streams() -> Iterator[None]:
+    """In a worker thread about to read the save's CUDA tensors with torch's own copies
+    (``torch.save``, ``copy_``): for each device with a ready event, a fresh stream that
+    waits for the event becomes this thread's current one, so the copies see the state as
+    the save found it and wait for nothing the caller queued after."""
+    with contextlib.ExitStack() as streams:
+        for index, event in (_CUDA_READY.get() or {}).items():
+            side = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+            side.wait_event(event)
+            streams.enter_context(torch.cuda.stream(side))
+        yield
 
 
 async def settle(tasks: Sequence[asyncio.Future[Any]]) -> None:
@@ -277,28 +285,34 @@ class FileWriter:
         this device (recorded on the caller's stream when the save was asked for; without
         one, for the work queued on this thread's current stream), so the bytes are those
         the caller saw, while later work on the training stream runs on; the training
-        stream itself is never synchronized.
+        stream itself is never synchronized. A non-contiguous tensor is gathered on the
+        side stream too, a block of rows (about one staging buffer) at a time.
         """
-        if not data.is_contiguous():
-            if data.dim() > 1:
-                rows = max(1, self._pool.buffer_bytes // max(1, data[0].numel() * data.element_size()))
-                for start in range(0, data.shape[0], rows):
-                    await self._write_cuda(data[start : start + rows].contiguous())
-                return
-            data = data.contiguous()
-        src = data.reshape(-1).view(torch.uint8)
-        n = src.numel()
-        if n == 0:
+        if data.numel() == 0:
             return
-        chunk = self._pool.buffer_bytes
-        if self._pinned is None:
-            self._pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         stream = torch.cuda.Stream(device=data.device)  # type: ignore[no-untyped-call]
         ready = (_CUDA_READY.get() or {}).get(data.device.index)
         if ready is not None:
             stream.wait_event(ready)  # the state as it was when the save was asked for
         else:
             stream.wait_stream(torch.cuda.current_stream(data.device))
+        if data.is_contiguous():
+            await self._copy_out(data, stream)
+            return
+        blocks = data if data.dim() > 1 else data.unsqueeze(0)
+        rows = max(1, self._pool.buffer_bytes // max(1, blocks[0].numel() * blocks.element_size()))
+        for start in range(0, blocks.shape[0], rows):
+            with torch.cuda.stream(stream):  # ordered after the ready event, like the copies
+                block = blocks[start : start + rows].contiguous()
+            await self._copy_out(block, stream)
+
+    async def _copy_out(self, data: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Copy a contiguous GPU tensor's bytes to the host on ``stream`` and write them."""
+        src = data.reshape(-1).view(torch.uint8)
+        n = src.numel()
+        chunk = self._pool.buffer_bytes
+        if self._pinned is None:
+            self._pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
 
         def start_copy(k: int) -> tuple[torch.cuda.Event, int]:
             assert self._pinned is not None

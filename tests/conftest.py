@@ -7,9 +7,11 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
+import torch
 
 import aiopersist
 from aiopersist import _native
@@ -86,22 +88,36 @@ def readonly_fs(tmp_path: Path) -> Iterator[Path]:
         yield p
 
 
-class Gate(dict[str, int]):
+class Gate:
     """An object that holds the thread pickling it (``torch.save`` of it, in a `TorchSave`)
-    until ``go`` is set: a save that stays in flight until the test lets it go.
-
-    An (empty) dict, so that snapshot mode copies it as it copies a state dict and
-    pickles it while writing, after ``staged``, as in fence mode."""
+    until ``go`` is set: a save that stays in flight until the test lets it go."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.entered = threading.Event()
         self.go = threading.Event()
-
-    def __copy__(self) -> Gate:
-        return self  # the snapshot's copy of it holds the writer as well
 
     def __reduce__(self) -> tuple[type[int], tuple[int]]:
         self.entered.set()
         self.go.wait(30)
         return (int, (0,))
+
+
+GATE_KEY = "aiopersist-test-gate"
+
+
+@pytest.fixture
+def gated_torch_save(monkeypatch: pytest.MonkeyPatch) -> Gate:
+    """A `Gate` for snapshot mode, which serializes any object it cannot rebuild (a `Gate`
+    too) before ``staged``: ``torch.save`` of a dict holding `GATE_KEY` (a plain state
+    dict, so copied and written after ``staged``) waits for the gate, then runs as usual."""
+    gate = Gate()
+    real = torch.save
+
+    def save(obj: object, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(obj, dict) and GATE_KEY in obj:
+            gate.entered.set()
+            gate.go.wait(30)
+        real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    return gate

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import aiopersist
-from tests.conftest import Gate
+from tests.conftest import GATE_KEY, Gate
 
 pytestmark = pytest.mark.asyncio
 
@@ -118,14 +118,17 @@ async def test_snapshot_budget_is_enforced(tmp_path: Path) -> None:
         await h.done
 
 
-async def test_snapshot_saves_in_flight_each_have_their_own_copy(backend_name: str, tmp_path: Path) -> None:
+async def test_snapshot_saves_in_flight_each_have_their_own_copy(
+    backend_name: str, tmp_path: Path, gated_torch_save: Gate
+) -> None:
     """Snapshot mode with two saves in flight: the second snapshot is taken while the
-    first save is still writing from its own (held open by a Gate in its extra files),
+    first save is still writing from its own (held open by a gate in its extra files),
     and must not land in that memory."""
     t = torch.full((4 << 20,), 1.0)
-    gate = Gate()
+    gate = gated_torch_save
     async with aiopersist.Checkpointer(backend=backend_name, mode="snapshot", max_in_flight=2) as ck:
-        first = await ck.save({"t": t}, tmp_path / "a", extra_files={"gate.pt": aiopersist.TorchSave(gate)})
+        held = {"gate.pt": aiopersist.TorchSave({GATE_KEY: 0})}
+        first = await ck.save({"t": t}, tmp_path / "a", extra_files=held)
         await first.staged
         t.fill_(2.0)
         second = await ck.save({"t": t}, tmp_path / "b")
@@ -258,15 +261,27 @@ async def test_cuda_state_made_on_a_side_stream_is_saved_as_the_caller_left_it(
     assert torch.equal((await aiopersist.load(tmp_path / "c"))["w"], torch.full((4 << 20,), 7.0))
 
 
-async def test_cuda_ready_is_empty_without_cuda_work() -> None:
-    from aiopersist._stream import caller_cuda_ready
-
-    if not torch.cuda.is_available():
-        assert caller_cuda_ready() == {}
-    else:
-        torch.zeros(1, device="cuda")
-        events = caller_cuda_ready()
-        assert list(events) == [torch.cuda.current_device()]
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["fence", "snapshot"])
+async def test_cuda_save_waits_for_nothing_queued_after_it(
+    backend_name: str, tmp_path: Path, mode: str
+) -> None:
+    """The copies wait for the state as the save found it, not for the next step's work:
+    `staged` resolves while a long kernel queued after `save` still runs. A lone strided
+    tensor (gathered on the side stream, not behind that kernel) is saved whole."""
+    big = torch.randn(2048, 2048, device="cuda")
+    state = {"w": torch.randn(4 << 20, device="cuda"), "strided": big[:, ::2]}
+    expected = {k: v.cpu() for k, v in state.items()}
+    async with aiopersist.Checkpointer(backend=backend_name, mode=mode) as ck:  # type: ignore[arg-type]
+        handle = await ck.save(state, tmp_path / "c")
+        torch.cuda._sleep(5_000_000_000)  # type: ignore[no-untyped-call]  # the next step: seconds
+        await handle.staged
+        assert not torch.cuda.current_stream().query()  # still running
+        await handle.done
+    back = await aiopersist.load(tmp_path / "c")
+    for k, v in expected.items():
+        assert torch.equal(back[k], v), k
 
 
 async def test_replaced_checkpoint_is_deleted_after_done(backend_name: str, tmp_path: Path) -> None:
@@ -391,6 +406,49 @@ async def test_snapshot_serializes_torch_save_objects_it_cannot_rebuild(
     assert torch.equal(torch.load(tmp_path / "c" / "holder.pt", weights_only=False)["h"].t, expected["held"])
     assert torch.equal(torch.load(tmp_path / "c" / "plain.pt")["m"], torch.ones(3))
     await aiopersist.verify(tmp_path / "c")
+
+
+class _Tagged(dict[str, object]):
+    """A dict with a tensor of its own beside its items."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__()
+        self.t = t
+
+
+async def test_what_snapshot_mode_can_rebuild_around_copies() -> None:
+    from aiopersist._checkpointer import _rebuildable
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))])
+    optimizer.step()
+    cyclic: dict[str, object] = {"t": torch.ones(2)}
+    cyclic["self"] = cyclic
+    shared = {"t": torch.ones(2)}
+    assert _rebuildable(optimizer.state_dict())
+    assert _rebuildable({"m": _Moments(torch.ones(1), torch.ones(1)), "p": torch.nn.Parameter(torch.ones(1))})
+    assert not _rebuildable(cyclic)  # a rebuild would never end
+    assert not _rebuildable({"a": shared, "b": shared})  # a rebuild would make two of it
+    assert not _rebuildable(_Tagged(torch.ones(2)))  # its tensor is no item
+    assert not _rebuildable({torch.ones(1): 1})  # tensor keys are not replaced
+    assert not _rebuildable([torch.ones(2).to_sparse()])
+    assert not _rebuildable([_Holder(torch.ones(1))])
+
+
+async def test_snapshot_copies_what_hides_in_a_dict_subclass(backend_name: str, tmp_path: Path) -> None:
+    tagged = _Tagged(torch.full((4 << 20,), 1.0))
+    tagged["m"] = torch.ones(3)
+    cyclic: dict[str, object] = {"t": torch.ones(2)}
+    cyclic["self"] = cyclic
+    extra = {"tagged.pt": aiopersist.TorchSave(tagged), "cyclic.pt": aiopersist.TorchSave(cyclic)}
+    async with aiopersist.Checkpointer(backend=backend_name, mode="snapshot") as ck:
+        handle = await ck.save({"w": torch.ones(4)}, tmp_path / "c", extra_files=extra)
+        await handle.staged
+        tagged.t.fill_(-1.0)
+        await handle.done
+    back = torch.load(tmp_path / "c" / "tagged.pt", weights_only=False)
+    assert torch.equal(back.t, torch.full((4 << 20,), 1.0))
+    loop = torch.load(tmp_path / "c" / "cyclic.pt", weights_only=False)
+    assert loop["self"] is loop
 
 
 async def test_snapshot_budget_bounds_what_it_serializes_whole(backend_name: str, tmp_path: Path) -> None:
