@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextlib
 import copy
+import io
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -243,14 +244,18 @@ class Checkpointer:
                     self._plan = (signature, plan_files(flat, self._max_shard))
                 planned = self._plan[1]
             handle = SaveHandle(target, loop.create_future(), loop.create_future())
-            if self.mode == "snapshot" and isinstance(flat, Flattened):
-                self._check_budget(flat, extra_files)  # the copy itself is the save task's first step
-            ready = _cuda_ready(flat, extra_files, cuda_ready)
+            # The TorchSave objects are walked once, and only when something needs them.
+            snapshot = self.mode == "snapshot" and isinstance(flat, Flattened)
+            extras = _extra_tensors(extra_files) if snapshot or torch.cuda.is_available() else _NO_EXTRAS
+            total = self._check_budget(flat, extras) if isinstance(flat, Flattened) and snapshot else 0
+            ready = _cuda_ready(flat, extras, cuda_ready)
         except BaseException:
             slot.release()
             raise
         task = asyncio.ensure_future(
-            self._run(handle, slot, flat, planned, metadata, overwrite, spread, extra_files, ready)
+            self._run(
+                handle, slot, flat, planned, metadata, overwrite, spread, extra_files, ready, extras, total
+            )
         )
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._finished(t, handle, slot))
@@ -319,17 +324,24 @@ class Checkpointer:
         spread: _Spread | None,
         extra_files: ExtraFiles | None,
         ready: CudaReady,
+        extras: _ExtraTensors,
+        snapshot_total: int,
     ) -> None:
+        """``snapshot_total``: the snapshot's size (snapshot mode; the copy is the first step)."""
         assert self._backend is not None
         use_cuda_ready(ready)  # for this task, the tasks and the threads it starts
         replaced: list[str] = []  # filled from the publishing thread; list.append is atomic
         memory: AlignedBuffer | None = None
         try:
             if self.mode == "snapshot" and isinstance(flat, Flattened):
-                total = self._check_budget(flat, extra_files)
-                memory = self._snapshot_memory(total)
+                memory = self._snapshot_memory(snapshot_total)
                 flat, extra_files = await _take_snapshot(
-                    flat, extra_files, memory, self.snapshot_bytes - total, self.snapshot_bytes
+                    flat,
+                    extra_files,
+                    extras,
+                    memory,
+                    self.snapshot_bytes - snapshot_total,
+                    self.snapshot_bytes,
                 )
                 _resolve(handle.staged, None)
             if spread is not None:
@@ -405,10 +417,10 @@ class Checkpointer:
             _fail(handle.staged, asyncio.CancelledError())
             _fail(handle.done, asyncio.CancelledError())
 
-    def _check_budget(self, flat: Flattened, extra_files: ExtraFiles | None) -> int:
+    def _check_budget(self, flat: Flattened, extras: _ExtraTensors) -> int:
         """The snapshot's size; `SnapshotBudgetError` if it is over ``snapshot_bytes``."""
         total = sum(_padded(s.nbytes) for s in flat.stored)
-        total += sum(_padded(_nbytes(t)) for t in _torch_save_tensors(extra_files))
+        total += sum(_padded(_nbytes(t)) for t in extras.tensors)
         if total > self.snapshot_bytes:
             raise SnapshotBudgetError(
                 f"snapshot mode: the state's tensors (with those of the TorchSave extra files) take "
@@ -428,9 +440,7 @@ class Checkpointer:
         return AlignedBuffer(max(total, 1))
 
 
-def _cuda_ready(
-    flat: Flattened | Exception, extra_files: ExtraFiles | None, given: CudaReady | None
-) -> CudaReady:
+def _cuda_ready(flat: Flattened | Exception, extras: _ExtraTensors, given: CudaReady | None) -> CudaReady:
     """The ready event of every CUDA device the save reads from: ``given``'s, else one
     recorded now on the caller's current stream of the device."""
     ready = dict(given or {})
@@ -439,8 +449,8 @@ def _cuda_ready(
     devices: set[int] = set()
     if isinstance(flat, Flattened):
         devices.update(s.source.device.index for s in flat.stored if s.source.is_cuda)
-    devices.update(t.device.index for t in _torch_save_tensors(extra_files) if t.is_cuda)
-    if _snapshot_split(extra_files)[1] and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    devices.update(t.device.index for t in extras.tensors if t.is_cuda)
+    if extras.whole and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         devices.add(torch.cuda.current_device())  # whole objects: their devices are not known
     ready.update(record_cuda_ready(sorted(devices - ready.keys())))
     return ready
@@ -457,16 +467,23 @@ def _nbytes(t: torch.Tensor) -> int:
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
-def _rebuildable(obj: object, seen: set[int] | None = None) -> bool:
+def _rebuildable(
+    obj: object, found: dict[int, torch.Tensor] | None = None, seen: set[int] | None = None
+) -> bool:
     """Whether `_with_copies` can rebuild ``obj`` with copies of all its tensors: a tree
     (no container reached twice) of dicts, lists, tuples and namedtuples, keyed by plain
     values, over plain values and dense tensors (as an optimizer's or a scheduler's state
-    dict is). Anything else may hide tensors, or lose what it is on a rebuild."""
+    dict is). Anything else may hide tensors, or lose what it is on a rebuild. The tensors
+    met on the way are put in ``found`` (by ``id``)."""
     if isinstance(obj, _PLAIN):
         return True
     if isinstance(obj, torch.Tensor):
-        return type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided and not (
-            obj.is_quantized
+        if found is not None:
+            found.setdefault(id(obj), obj)
+        return (
+            type(obj) in (torch.Tensor, torch.nn.Parameter)
+            and obj.layout == torch.strided
+            and not obj.is_quantized
         )
     seen = set() if seen is None else seen
     if id(obj) in seen:
@@ -474,9 +491,9 @@ def _rebuildable(obj: object, seen: set[int] | None = None) -> bool:
     seen.add(id(obj))
     if type(obj) in (dict, collections.OrderedDict, collections.defaultdict):
         items = cast(dict[object, object], obj).items()
-        return all(isinstance(k, _PLAIN) and _rebuildable(v, seen) for k, v in items)
+        return all(isinstance(k, _PLAIN) and _rebuildable(v, found, seen) for k, v in items)
     if type(obj) in (list, tuple) or (isinstance(obj, tuple) and _is_namedtuple(type(obj))):
-        return all(_rebuildable(v, seen) for v in cast(Sequence[object], obj))
+        return all(_rebuildable(v, found, seen) for v in cast(Sequence[object], obj))
     return False
 
 
@@ -486,70 +503,54 @@ def _is_namedtuple(cls: type) -> bool:
     return tuple in cls.__bases__ and hasattr(cls, "_fields") and "__dict__" not in dir(cls)
 
 
-def _snapshot_split(extra_files: ExtraFiles | None) -> tuple[list[object], list[str]]:
-    """The `TorchSave` objects a snapshot copies tensor by tensor, and the names of those
-    it serializes whole instead (`_rebuildable` says which)."""
-    walked: list[object] = []
+@dataclass(frozen=True)
+class _ExtraTensors:
+    """The `TorchSave` extra files as snapshot mode and the CUDA events see them."""
+
+    tensors: list[torch.Tensor]
+    """The tensors of the rebuildable ones, each once: copied one by one."""
+    whole: list[str]
+    """The names of the others: serialized whole."""
+
+
+_NO_EXTRAS = _ExtraTensors([], [])
+
+
+def _extra_tensors(extra_files: ExtraFiles | None) -> _ExtraTensors:
+    found: dict[int, torch.Tensor] = {}
     whole: list[str] = []
     for name, content in (extra_files or {}).items():
         if isinstance(content, TorchSave):
-            if _rebuildable(content.obj):
-                walked.append(content.obj)
+            mine: dict[int, torch.Tensor] = {}
+            if _rebuildable(content.obj, mine):
+                for key, t in mine.items():
+                    found.setdefault(key, t)
             else:
                 whole.append(name)
-    return walked, whole
+    return _ExtraTensors(list(found.values()), whole)
 
 
-def _torch_save_tensors(extra_files: ExtraFiles | None) -> list[torch.Tensor]:
-    """The tensors inside the rebuildable `TorchSave` objects of ``extra_files`` (in dicts,
-    lists and tuples, as in an optimizer's state dict), each once."""
-    found: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
-
-    def walk(obj: object) -> None:
-        if isinstance(obj, torch.Tensor):
-            found.setdefault(id(obj), obj)
-        elif isinstance(obj, Mapping | list | tuple) and id(obj) not in seen:
-            seen.add(id(obj))
-            for v in obj.values() if isinstance(obj, Mapping) else obj:
-                walk(v)
-
-    for obj in _snapshot_split(extra_files)[0]:
-        walk(obj)
-    return list(found.values())
-
-
-class _BoundedSink:
+class _BoundedSink(io.BytesIO):
     """What ``torch.save`` writes a snapshot into: memory, up to ``limit`` bytes."""
 
     def __init__(self, name: str, limit: int, budget: int) -> None:
-        self.data = bytearray()
+        super().__init__()
         self.over: SnapshotBudgetError | None = None
         """Set when the limit was hit (torch.save reports a failed write as its own error)."""
         self._name = name
         self._limit = limit  # what the tensors and the other whole ones left of ``budget``
         self._budget = budget
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Any, /) -> int:
         with memoryview(data) as view:
-            if len(self.data) + view.nbytes > self._limit:
+            if self.tell() + view.nbytes > self._limit:
                 self.over = SnapshotBudgetError(
                     f"snapshot mode: the TorchSave extra file {self._name!r} (serialized whole: it "
                     f"holds objects other than dicts, lists and tuples) does not fit in what is "
                     f"left of snapshot_bytes={self._budget}; raise the budget or use mode='fence'"
                 )
                 raise self.over
-            self.data += view
-            return view.nbytes
-
-    def tell(self) -> int:
-        return len(self.data)
-
-    def flush(self) -> None:
-        pass
-
-    def writable(self) -> bool:
-        return True
+            return super().write(view)
 
 
 def _with_copies(obj: Any, copies: Mapping[int, torch.Tensor]) -> Any:
@@ -571,7 +572,12 @@ def _with_copies(obj: Any, copies: Mapping[int, torch.Tensor]) -> Any:
 
 
 async def _take_snapshot(
-    flat: Flattened, extra_files: ExtraFiles | None, memory: AlignedBuffer, left: int, budget: int
+    flat: Flattened,
+    extra_files: ExtraFiles | None,
+    extras: _ExtraTensors,
+    memory: AlignedBuffer,
+    left: int,
+    budget: int,
 ) -> tuple[Flattened, ExtraFiles | None]:
     """Copy every stored tensor, and every tensor of the `TorchSave` extra files, into
     ``memory`` (in a thread: the copies do not hold the GIL); return the state and the
@@ -592,11 +598,11 @@ async def _take_snapshot(
         StoredTensor(s.name, place(s.source, s.nbytes), s.align) if s.nbytes else s for s in flat.stored
     ]
     copies: dict[int, torch.Tensor] = {}
-    for t in _torch_save_tensors(extra_files):
+    for t in extras.tensors:
         if _nbytes(t):
             c = place(t.detach(), _nbytes(t))
             copies[id(t)] = torch.nn.Parameter(c, t.requires_grad) if isinstance(t, torch.nn.Parameter) else c
-    whole = {name: cast(TorchSave, (extra_files or {})[name]).obj for name in _snapshot_split(extra_files)[1]}
+    whole = {name: cast(TorchSave, (extra_files or {})[name]).obj for name in extras.whole}
     sinks: dict[str, _BoundedSink] = {}
 
     def copy_and_serialize() -> None:
@@ -611,7 +617,7 @@ async def _take_snapshot(
                     if sink.over is not None:
                         raise sink.over from None
                     raise
-                remaining -= len(sink.data)
+                remaining -= sink.tell()
 
     thread = asyncio.ensure_future(asyncio.to_thread(copy_and_serialize))
     try:
@@ -623,7 +629,7 @@ async def _take_snapshot(
         raise
     if extra_files is not None and (copies or sinks):
         extra_files = {
-            name: cast(bytes, sinks[name].data)  # a bytearray: written as it is, not copied again
+            name: cast(bytes, sinks[name].getbuffer())  # written from the sink's memory, not copied
             if name in sinks
             else TorchSave(_with_copies(c.obj, copies))
             if isinstance(c, TorchSave)
