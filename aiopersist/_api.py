@@ -27,35 +27,32 @@ import torch
 from . import _knobs
 from ._backends import IOBackend, open_backend
 from ._commit import atomic_directory, remove_path
-from ._direct import AlignedBuffer, DirectIOInfo, empty_for_direct_read, probe_directory, probe_file_for_read
+from ._direct import AlignedBuffer, DirectIOInfo, empty_for_direct_read, probe_directory
 from ._exceptions import (
     AiopersistError,
     CheckpointCorruptError,
-    CheckpointNotFoundError,
     StateMismatchError,
     UnsupportedStateError,
-    from_os_error,
 )
-from ._flatten import Flattened, StoredTensor, build_view, decode, flatten
+from ._flatten import Flattened, StoredTensor, build_view, flatten
 from ._format import FileLayout, header_length, layout_file, parse_header
 from ._into import load_into
+from ._locate import MODEL_INDEX, READ_FLAGS, Located, PathArg, checkpoint_paths, locate
 from ._manifest import (
     MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
     FileRecord,
     Manifest,
     RankState,
     TensorRecord,
     dump_manifest,
     new_hasher,
-    parse_manifest,
     safe_file_name,
 )
+from ._skeleton import decode
+from ._skeleton import refs as skeleton_refs
 from ._staging import StagingPool
 from ._stream import FileWriter, cuda_ready_streams, read_segments, run_all, settle
 
-MODEL_FILE = "model.safetensors"
-MODEL_INDEX = "model.safetensors.index.json"
 PICKLE_FILE = "pickled.bin"
 T = TypeVar("T")
 
@@ -251,21 +248,6 @@ async def write_file(
     return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())
 
 
-PathArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
-
-
-def checkpoint_paths(path: PathArg) -> list[str]:
-    """``path`` as a list of absolute paths: the checkpoint, then its parts' directories."""
-    if isinstance(path, str | os.PathLike):
-        return [os.path.abspath(os.fspath(path))]
-    paths = [os.path.abspath(os.fspath(p)) for p in path]
-    if not paths:
-        raise ValueError("path: an empty list of directories")
-    if len(set(paths)) != len(paths):
-        raise ValueError(f"path: the same directory is listed twice: {paths}")
-    return paths
-
-
 async def save(
     obj: object,
     path: PathArg,
@@ -455,94 +437,6 @@ async def write_checkpoint(
 # -- load -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Located:
-    kind: str  # "manifest", "hf-dir", "safetensors"
-    directory: str
-    files: tuple[str, ...]  # absolute paths of data files (for hf-dir and file)
-    manifest: Manifest | None
-    dio: DirectIOInfo
-    sizes: dict[str, int]
-
-
-def _inside(directory: str, name: str, where: str) -> str:
-    path = os.path.join(directory, safe_file_name(name, where))
-    real_dir = os.path.realpath(directory)
-    if os.path.commonpath([os.path.realpath(path), real_dir]) != real_dir:
-        raise CheckpointCorruptError(f"{where}: {name!r} is a link that leads out of the checkpoint")
-    return path
-
-
-def file_directory(directory: str, manifest: Manifest, rec: FileRecord) -> str:
-    """The directory that holds ``rec``: the checkpoint's own, or one of its parts."""
-    if rec.directory == 0:
-        return directory
-    return os.path.normpath(os.path.join(directory, manifest.directories[rec.directory]))
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{path}: missing (the manifest lists it)") from None
-    except OSError as exc:
-        raise from_os_error(exc, "stat", path) from exc
-
-
-def _read_small(path: str, limit: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(limit + 1)
-    except OSError as exc:
-        raise from_os_error(exc, "open", path) from exc
-    if len(raw) > limit:
-        raise CheckpointCorruptError(f"{path}: larger than {limit} bytes")
-    return raw
-
-
-def _locate(path: str | os.PathLike[str]) -> _Located:
-    target = os.path.abspath(os.fspath(path))
-    if os.path.basename(target) == MANIFEST_NAME and os.path.isfile(target):
-        target = os.path.dirname(target)  # the manifest stands for its checkpoint
-    if os.path.isdir(target):
-        mpath = os.path.join(target, MANIFEST_NAME)
-        if os.path.isfile(mpath):
-            manifest = parse_manifest(_read_small(mpath, MAX_MANIFEST_BYTES), mpath)
-            sizes = {}
-            for name, rec in manifest.files.items():
-                full = _inside(file_directory(target, manifest, rec), name, mpath)
-                sizes[name] = _size(full)
-                if sizes[name] != rec.nbytes:
-                    raise CheckpointCorruptError(
-                        f"{full}: {sizes[name]} bytes, the manifest says {rec.nbytes} (truncated or replaced)"
-                    )
-            return _Located("manifest", target, (), manifest, probe_file_for_read(mpath), sizes)
-        index = os.path.join(target, MODEL_INDEX)
-        if os.path.isfile(index):
-            try:
-                weight_map = json.loads(_read_small(index, MAX_MANIFEST_BYTES))["weight_map"]
-                names = sorted(set(weight_map.values()))
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise CheckpointCorruptError(f"{index}: not a valid safetensors index ({exc})") from exc
-            files = tuple(_inside(target, n, index) for n in names)
-        elif os.path.isfile(os.path.join(target, MODEL_FILE)):
-            files = (os.path.join(target, MODEL_FILE),)
-        else:
-            raise CheckpointNotFoundError(f"{target}: no {MANIFEST_NAME}, {MODEL_FILE} or {MODEL_INDEX} here")
-        sizes = {f: _size(f) for f in files}
-        return _Located("hf-dir", target, files, None, probe_file_for_read(files[0]), sizes)
-    if not os.path.exists(target):
-        raise CheckpointNotFoundError(f"{target}: no such checkpoint")
-    return _Located(
-        "safetensors",
-        os.path.dirname(target),
-        (target,),
-        None,
-        probe_file_for_read(target),
-        {target: _size(target)},
-    )
-
-
 class _Prefaulter:
     """Faults destination memory in, in file order, in one background thread, so that the
     page faults and zeroing of fresh memory overlap the reads instead of stalling them.
@@ -614,7 +508,7 @@ class _Segment:
 
 async def _read_manifest_file(
     be: IOBackend,
-    loc: _Located,
+    loc: Located,
     pool: StagingPool,
     prefault: _Prefaulter,
     rec: FileRecord,
@@ -623,7 +517,7 @@ async def _read_manifest_file(
     """Read every byte of one file into the segments' destinations and check its checksum;
     returns the bytes before the first segment (the header, or the whole pickle file)."""
     assert loc.manifest is not None
-    path = os.path.join(file_directory(loc.directory, loc.manifest, rec), rec.name)
+    path = loc.path_of(rec)
     ordered = sorted(segments, key=lambda g: g.begin)
     # The whole file is read, header included, so the checksum covers every byte.
     head_len = rec.data_offset if rec.data_offset is not None else rec.nbytes
@@ -665,33 +559,12 @@ async def _read_manifest_file(
 
 
 def _needed(manifest: Manifest, state: RankState) -> set[str]:
-    """The stored (whole or sliced) tensors a rank's skeleton reaches."""
+    """The stored (whole or sliced) tensors a rank's skeleton reaches (the manifest was
+    validated: every reference resolves, and an alias points to a stored tensor or a view)."""
     out: set[str] = set()
-
-    def resolve(name: str, depth: int = 0) -> None:
-        if depth > 64:
-            raise CheckpointCorruptError(f"manifest: alias chain through {name!r} does not end")
-        if name in state.views:
-            out.add(state.views[name].base)
-        elif name in state.aliases:
-            resolve(state.aliases[name], depth + 1)
-        elif name in manifest.tensors or name in manifest.sliced:
-            out.add(name)
-        else:
-            raise CheckpointCorruptError(f"manifest skeleton refers to unknown tensor {name!r}")
-
-    def walk(node: Any) -> None:
-        if isinstance(node, list):
-            for v in node:
-                walk(v)
-        elif isinstance(node, dict):
-            if len(node) == 1 and next(iter(node)) in ("__tensor__", "__ndarray__", "__npscalar__"):
-                resolve(str(next(iter(node.values()))))
-                return
-            for v in node.values():
-                walk(v)
-
-    walk(state.skeleton)
+    for name, _ in skeleton_refs(state.skeleton):
+        name = state.aliases.get(name, name)
+        out.add(state.views[name].base if name in state.views else name)
     return out
 
 
@@ -750,7 +623,7 @@ def _parts_checked(manifest: Manifest, needed: set[str]) -> bool:
 
 async def _load_parts(
     be: IOBackend,
-    loc: _Located,
+    loc: Located,
     pool: StagingPool,
     prefault: _Prefaulter,
     needed: set[str],
@@ -814,7 +687,7 @@ async def _load_parts(
     prefault.start()
 
     async def one_file(file: str, items: list[tuple[int, torch.Tensor, str, str]]) -> None:
-        path = os.path.join(file_directory(loc.directory, manifest, manifest.files[file]), file)
+        path = loc.path_of(manifest.files[file])
         await read_segments(be, path, loc.dio, pool, [(begin, dest) for begin, dest, _, _ in items])
         actual = await asyncio.to_thread(_digests, [dest for _, dest, _, _ in items])
         for (_, _, stated, what), got in zip(items, actual, strict=True):
@@ -841,7 +714,7 @@ def _digests(parts: Sequence[torch.Tensor]) -> list[str]:
 
 async def _load_manifest(
     be: IOBackend,
-    loc: _Located,
+    loc: Located,
     pool: StagingPool,
     prefault: _Prefaulter,
     rank: int,
@@ -913,7 +786,7 @@ async def _load_manifest(
 
 async def _read_header(be: IOBackend, path: str, size: int) -> FileLayout:
     """Read and check a safetensors file's header."""
-    fd = await be.open(path, os.O_RDONLY)
+    fd = await be.open(path, READ_FLAGS)
     try:
         prefix = bytearray(8)
         got = await be.read(fd, prefix, 0)
@@ -927,7 +800,7 @@ async def _read_header(be: IOBackend, path: str, size: int) -> FileLayout:
 
 
 async def _read_safetensors(
-    be: IOBackend, path: str, loc: _Located, pool: StagingPool, prefault: _Prefaulter
+    be: IOBackend, path: str, loc: Located, pool: StagingPool, prefault: _Prefaulter
 ) -> dict[str, torch.Tensor]:
     layout = await _read_header(be, path, loc.sizes[path])
     out: dict[str, torch.Tensor] = {}
@@ -998,7 +871,7 @@ def _to_device(obj: Any, device: torch.device, memo: dict[int, torch.Tensor]) ->
 
 
 async def load(
-    path: str | os.PathLike[str],
+    path: PathArg,
     *,
     into: object = None,
     map_location: str | torch.device = "cpu",
@@ -1024,7 +897,7 @@ async def load(
     in ``torch.distributed`` (0 without it, and 0 for ranks the checkpoint does not have).
     Only the files that hold what that rank needs are read.
     """
-    loc = await asyncio.to_thread(_locate, path)
+    loc = await asyncio.to_thread(locate, path)
     pool = StagingPool()
     prefault = _Prefaulter()
     try:
@@ -1068,7 +941,7 @@ async def _hash_file(be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingP
     """xxh3 of a whole file, read through the pool's buffers with several in flight."""
     hasher = new_hasher()
     window = pool.buffer_bytes
-    fd = await be.open(path, os.O_RDONLY | dio.open_flags)
+    fd = await be.open(path, READ_FLAGS | dio.open_flags)
     try:
 
         async def window_at(pos: int) -> tuple[Any, int]:
@@ -1108,7 +981,18 @@ async def _hash_file(be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingP
     return str(hasher.hexdigest())
 
 
-async def verify(path: str | os.PathLike[str], *, backend: str = "auto") -> VerifyReport:
+def _spans_by_file(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges the manifest places in each file, sorted."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for t in manifest.tensors.values():
+        spans.setdefault(t.file, []).append((t.begin, t.end))
+    for sl in manifest.sliced.values():
+        for p in sl.slices:
+            spans.setdefault(p.file, []).append((p.begin, p.end))
+    return {name: sorted(found) for name, found in spans.items()}
+
+
+async def verify(path: PathArg, *, backend: str = "auto") -> VerifyReport:
     """Check a checkpoint without building it: the manifest, every file's size and
     checksum (streamed: memory stays within the staging pool). Hugging Face directories
     and plain safetensors files have no checksums: their headers are checked.
@@ -1116,7 +1000,7 @@ async def verify(path: str | os.PathLike[str], *, backend: str = "auto") -> Veri
     Raises [`CheckpointCorruptError`][aiopersist.CheckpointCorruptError] (or a sibling)
     naming the file and the fault.
     """
-    loc = await asyncio.to_thread(_locate, path)
+    loc = await asyncio.to_thread(locate, path)
     pool = StagingPool()
     try:
         async with open_backend(backend) as be:
@@ -1126,18 +1010,24 @@ async def verify(path: str | os.PathLike[str], *, backend: str = "auto") -> Veri
                     checked += (await _read_header(be, f, loc.sizes[f])).data_offset
                 where = loc.files[0] if loc.kind == "safetensors" else loc.directory
                 return VerifyReport(where, loc.kind, loc.files, checked)
+            spans = _spans_by_file(loc.manifest)
             names = []
             for name, rec in loc.manifest.files.items():
-                full = os.path.join(file_directory(loc.directory, loc.manifest, rec), name)
+                full = loc.path_of(rec)
                 actual = await _hash_file(be, full, loc.dio, pool, rec.nbytes)
                 if actual != rec.checksum:
                     raise CheckpointCorruptError(
                         f"{full}: checksum mismatch (stored {rec.checksum}, computed {actual})"
                     )
                 if rec.data_offset is not None:
+                    # The file's own header must say what the manifest says, so that any
+                    # safetensors reader sees the same tensors.
                     layout = await _read_header(be, full, rec.nbytes)
-                    if layout.data_offset != rec.data_offset:
-                        raise CheckpointCorruptError(f"{full}: header does not match the manifest")
+                    found = sorted(
+                        (layout.data_offset + e.begin, layout.data_offset + e.end) for e in layout.entries
+                    )
+                    if layout.data_offset != rec.data_offset or found != spans.get(name, []):
+                        raise CheckpointCorruptError(f"{full}: its header does not match the manifest")
                 names.append(full)
             return VerifyReport(loc.directory, "aiopersist", tuple(names), sum(loc.sizes.values()))
     finally:

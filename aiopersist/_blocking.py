@@ -15,8 +15,9 @@ from typing import Any, Self
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from ._api import ExtraFiles, PathArg, SaveInfo
+from ._api import ExtraFiles, SaveInfo
 from ._checkpointer import Checkpointer, Mode, OnBusy, SaveHandle
+from ._locate import PathArg
 from ._manager import CheckpointManager, ManagedSaveHandle
 from ._stream import CudaReady, caller_cuda_ready
 

@@ -33,11 +33,9 @@ import torch
 from . import _knobs
 from ._api import (
     ExtraFiles,
-    PathArg,
     PlannedFile,
     SaveInfo,
     TorchSave,
-    checkpoint_paths,
     plan_files,
     plan_signature,
     write_checkpoint,
@@ -48,6 +46,7 @@ from ._direct import AlignedBuffer, copy_bytes
 from ._dist import Coordinator, coordinator
 from ._exceptions import AiopersistError
 from ._flatten import Flattened, StoredTensor, flatten
+from ._locate import PathArg, checkpoint_paths
 from ._parallel import save_spread
 from ._staging import StagingPool
 from ._stream import CudaReady, cuda_ready_streams, record_cuda_ready, settle, use_cuda_ready

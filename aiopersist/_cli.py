@@ -252,15 +252,14 @@ def describe(path: str | os.PathLike[str], *, backend: str = "auto") -> dict[str
     is unusable; a data file whose size differs from the manifest's is reported in its
     ``problem`` field instead (``aiopersist verify`` checks the data).
     """
-    from ._api import _locate, _read_small
-    from ._manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest
+    from ._locate import locate, part_places, read_manifest
+    from ._manifest import MANIFEST_NAME
 
     target = os.path.abspath(os.fspath(path))
-    mpath = os.path.join(target, MANIFEST_NAME)
-    if os.path.isdir(target) and os.path.isfile(mpath):
-        manifest = parse_manifest(_read_small(mpath, MAX_MANIFEST_BYTES), mpath)
-        return _describe_manifest(target, manifest)
-    loc = _locate(target)
+    if os.path.isdir(target) and os.path.lexists(os.path.join(target, MANIFEST_NAME)):
+        manifest = read_manifest(target)
+        return _describe_manifest(target, manifest, part_places(target, manifest))
+    loc = locate(target)
     layouts = asyncio.run(_read_headers(loc.files, loc.sizes, backend))
     files: list[dict[str, Any]] = []
     tensors: list[dict[str, Any]] = []
@@ -332,40 +331,19 @@ def _document(target: str, kind: str, **fields: Any) -> dict[str, Any]:
     return {"path": target, "kind": kind, **fields, "totals": totals}
 
 
-def _describe_manifest(target: str, m: Manifest) -> dict[str, Any]:
-    from ._api import file_directory
+def _describe_manifest(target: str, m: Manifest, places: Sequence[str]) -> dict[str, Any]:
+    from ._locate import file_problem
+    from ._skeleton import refs
 
     files = []
     for rec in m.files.values():
-        try:
-            on_disk: int | None = os.stat(os.path.join(file_directory(target, m, rec), rec.name)).st_size
-        except FileNotFoundError:
-            on_disk = None
-        problem = None
-        if on_disk is None:
-            problem = "missing"
-        elif on_disk != rec.nbytes:
-            problem = f"{on_disk} bytes on disk, the manifest says {rec.nbytes}"
+        problem = file_problem(os.path.join(places[rec.directory], rec.name), rec.nbytes)
         files.append({"name": rec.name, "bytes": rec.nbytes, "checksum": rec.checksum, "problem": problem})
 
     # The tensors in the order the saved object holds them (the skeleton's order), each
     # alias target or view base just before its first user; anything the skeleton does
     # not name comes last, in the manifest's order.
-    referenced: list[tuple[str, bool]] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, list):
-            for v in node:
-                walk(v)
-        elif isinstance(node, dict):
-            marker = next(iter(node), None)
-            if marker in ("__tensor__", "__ndarray__") and isinstance(node[marker], str):
-                referenced.append((node[marker], marker == "__ndarray__"))
-                return
-            for v in node.values():
-                walk(v)
-
-    walk(m.skeleton)
+    referenced = [(name, marker == "__ndarray__") for name, marker in refs(m.skeleton)]
     names = {n for n, _ in referenced}
     rows: list[dict[str, Any]] = []
     done: set[str] = set()

@@ -41,6 +41,34 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
+def make_directories(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, durably: every directory it creates is
+    fsynced into its parent, so that after a power loss a checkpoint reported durable is
+    still reachable (a fresh ``ckpt/run7`` whose entry in ``ckpt`` was never flushed would
+    vanish with everything under it)."""
+    path = os.path.abspath(path)
+    missing: list[str] = []
+    probe = path
+    while not os.path.isdir(probe):
+        missing.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise from_os_error(
+                    FileExistsError(errno.EEXIST, "exists and is not a directory"), "mkdir", directory
+                ) from None
+        except OSError as exc:
+            raise from_os_error(exc, "mkdir", directory) from exc
+        # Also when another process made it meanwhile: it may not have flushed it yet.
+        fsync_directory(os.path.dirname(directory))
+
+
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -165,13 +193,18 @@ def make_temp(final: str | os.PathLike[str], overwrite: bool) -> PendingDirector
     parent = os.path.dirname(target)
     if os.path.lexists(target) and not overwrite:
         raise CheckpointExistsError(f"{target} already exists (pass overwrite=True to replace it)")
+    make_directories(parent)
+    tmp = os.path.join(parent, f".{os.path.basename(target)}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
     try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(target)}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
         os.mkdir(tmp)
     except OSError as exc:
-        raise from_os_error(exc, "mkdir", parent) from exc
+        raise from_os_error(exc, "mkdir", tmp) from exc
     return PendingDirectory(tmp, target)
+
+
+def _remove_empty(pending: PendingDirectory) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(pending.tmp)  # just made, still empty: one system call
 
 
 @contextlib.asynccontextmanager
@@ -189,7 +222,11 @@ async def atomic_directory(
     A replaced checkpoint is handed to ``discard`` (called in a worker thread; it deletes
     it at once by default), once the new one is durable.
     """
-    pending = await asyncio.to_thread(make_temp, final, overwrite)
+    # Uncancellable: a cancellation while the thread makes the directory would leave it
+    # behind; it is removed instead.
+    pending = await wait_uncancellable(
+        asyncio.ensure_future(asyncio.to_thread(make_temp, final, overwrite)), discard=_remove_empty
+    )
     try:
         yield pending
         # Publication runs to its end even if we are cancelled meanwhile: the worker
@@ -198,5 +235,9 @@ async def atomic_directory(
             asyncio.ensure_future(asyncio.to_thread(publish, pending.tmp, pending.final, overwrite, discard))
         )
     except BaseException:
-        shutil.rmtree(pending.tmp, ignore_errors=True)
+        # In a thread (a deletion can take long), waited for even if cancelled again.
+        with contextlib.suppress(BaseException):
+            await wait_uncancellable(
+                asyncio.ensure_future(asyncio.to_thread(shutil.rmtree, pending.tmp, ignore_errors=True))
+            )
         raise

@@ -176,7 +176,7 @@ def probe_file_for_read(path: str | os.PathLike[str]) -> DirectIOInfo:
     if dev in _cache:
         return dataclasses.replace(_cache[dev], directory=directory)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | O_DIRECT)
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | O_DIRECT)
     except OSError as exc:
         if exc.errno != errno.EINVAL or not O_DIRECT:
             raise from_os_error(exc, "open", name) from exc

@@ -9,48 +9,23 @@ Walking the object yields:
   weights), different views of one storage become *views* into one stored byte span;
 - the **pickled** objects, only when the caller allowed pickle.
 
-JSON markers (a dict with exactly one of these keys):
-
-| marker | meaning |
-| --- | --- |
-| ``{"__tensor__": name}`` | a tensor (stored, alias or view) |
-| ``{"__ndarray__": name}`` | a numpy array, stored as a tensor |
-| ``{"__npscalar__": name}`` | a numpy scalar, stored as a 0-d tensor |
-| ``{"__tuple__": [...]}`` | a tuple (``torch.Size`` too) |
-| ``{"__dict__": [[k, v], ...]}`` | a dict whose keys are not all plain strings |
-| ``{"__float__": "nan"}`` | a non-finite float (``nan``, ``inf``, ``-inf``) |
-| ``{"__bytes__": base64}`` | bytes |
-| ``{"__module__": cls, "state": ...}`` | an ``nn.Module``, by its state dict |
-| ``{"__stateful__": cls, "state": ...}`` | anything with ``state_dict``/``load_state_dict`` |
-| ``{"__pickle__": i}`` | the i-th pickled object |
+The skeleton's JSON markers are listed in `_skeleton`.
 """
 
 from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._exceptions import AiopersistError, CheckpointCorruptError, UnsupportedStateError
+from ._exceptions import CheckpointCorruptError, UnsupportedStateError
 from ._format import dtype_from_name, supported_dtype
-
-MARKERS = (
-    "__tensor__",
-    "__ndarray__",
-    "__npscalar__",
-    "__tuple__",
-    "__dict__",
-    "__float__",
-    "__bytes__",
-    "__module__",
-    "__stateful__",
-    "__pickle__",
-)
+from ._skeleton import MAX_CONTAINER_DEPTH
 
 
 @dataclass(frozen=True)
@@ -152,6 +127,8 @@ class _Walker:
         if _is_dtensor(t):
             dtensor = t
             t, shard, replicated = _dtensor_local(t, where)
+        if t.is_nested:
+            raise UnsupportedStateError(f"{where}: nested tensors are not supported")
         if t.layout != torch.strided:
             raise UnsupportedStateError(f"{where}: {t.layout} tensors are not supported")
         if t.device.type not in ("cpu", "cuda"):
@@ -196,6 +173,11 @@ class _Walker:
         if isinstance(obj, Mapping | list | tuple | torch.nn.Module) or _is_stateful(obj):
             if ident in self.active:
                 raise UnsupportedStateError(f"{where}: the object contains itself (a reference cycle)")
+            if len(self.active) >= MAX_CONTAINER_DEPTH:
+                raise UnsupportedStateError(
+                    f"{where}: containers nested more than {MAX_CONTAINER_DEPTH} deep; "
+                    "store such data flatter (or pickled inside a TorchSave extra file)"
+                )
             self.active.add(ident)
             try:
                 return self.container(obj, parts, where)
@@ -375,61 +357,6 @@ def build_view(base: torch.Tensor, spec: ViewSpec) -> torch.Tensor:
     if end > base.untyped_storage().nbytes() or start < 0:
         raise CheckpointCorruptError(f"view of {spec.base!r} reaches past its bytes")
     return out
-
-
-def decode(
-    node: Any,
-    tensor: Callable[[str], torch.Tensor],
-    pickled: Callable[[int], object],
-) -> Any:
-    """Rebuild an object from its skeleton; ``tensor(name)`` resolves stored tensors."""
-    if isinstance(node, list):
-        return [decode(v, tensor, pickled) for v in node]
-    if not isinstance(node, dict):
-        return node
-    if len(node) >= 1:
-        marker = next(iter(node))
-        if marker in MARKERS:
-            return _decode_marker(marker, node, tensor, pickled)
-    return {k: decode(v, tensor, pickled) for k, v in node.items()}
-
-
-def _decode_marker(
-    marker: str, node: dict[str, Any], tensor: Callable[[str], torch.Tensor], pickled: Callable[[int], object]
-) -> Any:
-    value = node[marker]
-    try:
-        if marker == "__tensor__":
-            return tensor(value)
-        if marker == "__ndarray__":
-            return tensor(value).cpu().numpy()
-        if marker == "__npscalar__":
-            return tensor(value).cpu().numpy()[()]
-        if marker == "__tuple__":
-            return tuple(decode(v, tensor, pickled) for v in value)
-        if marker == "__dict__":
-            return {_key(decode(k, tensor, pickled)): decode(v, tensor, pickled) for k, v in value}
-        if marker == "__float__":
-            if value not in ("nan", "inf", "-inf"):
-                raise ValueError(value)
-            return float(value)
-        if marker == "__bytes__":
-            return base64.b64decode(value, validate=True)
-        if marker in ("__module__", "__stateful__"):
-            return decode(node["state"], tensor, pickled)
-        if marker == "__pickle__":
-            return pickled(int(value))
-    except AiopersistError:
-        raise
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(f"manifest skeleton: bad {marker} entry {node!r}: {exc}") from exc
-    raise AssertionError(marker)  # pragma: no cover
-
-
-def _key(key: Any) -> Any:
-    if isinstance(key, list | dict):
-        raise ValueError(f"unhashable dict key {key!r}")
-    return key
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -152,6 +152,19 @@ def header_length(prefix: bytes, file_size: int, name: str) -> int:
     return int(n)
 
 
+MAX_COUNT = 1 << 62
+"""Largest dimension, element count or offset a header may state."""
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def parse_header(header_json: bytes, file_size: int, name: str) -> FileLayout:
     """Parse and check a safetensors JSON header (the bytes after the length prefix).
 
@@ -160,8 +173,10 @@ def parse_header(header_json: bytes, file_size: int, name: str) -> FileLayout:
     """
     try:
         raw = json.loads(header_json.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and ints past the digit limit
         raise CheckpointCorruptError(f"{name}: header is not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise CheckpointCorruptError(f"{name}: header JSON nested too deep (damaged or hostile)") from None
     if not isinstance(raw, dict):
         raise CheckpointCorruptError(f"{name}: header is not a JSON object")
     metadata = raw.pop("__metadata__", None) or {}
@@ -172,14 +187,18 @@ def parse_header(header_json: bytes, file_size: int, name: str) -> FileLayout:
     for key, spec in raw.items():
         try:
             dtype = dtype_from_name(spec["dtype"])
-            shape = tuple(spec["shape"])
+            shape = tuple(spec["shape"]) if isinstance(spec["shape"], list) else None
             begin, end = spec["data_offsets"]
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointCorruptError(f"{name}: bad header entry for tensor {key!r}: {spec!r}") from exc
-        if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-            raise CheckpointCorruptError(f"{name}: tensor {key!r} has an invalid shape {list(shape)}")
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
-            raise CheckpointCorruptError(f"{name}: tensor {key!r} has invalid offsets {[begin, end]}")
+            raise CheckpointCorruptError(
+                f"{name}: bad header entry for tensor {key!r}: {_short(spec)}"
+            ) from exc
+        if shape is None or not all(_count(s) for s in shape) or math.prod(shape) > MAX_COUNT:
+            raise CheckpointCorruptError(
+                f"{name}: tensor {key!r} has an invalid shape {_short(spec['shape'])}"
+            )
+        if not (_count(begin) and _count(end) and begin <= end):
+            raise CheckpointCorruptError(f"{name}: tensor {key!r} has invalid offsets {_short([begin, end])}")
         if end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointCorruptError(
                 f"{name}: tensor {key!r} offsets {[begin, end]} do not match "

@@ -38,6 +38,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import uuid
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -46,11 +47,27 @@ from typing import Any
 
 import torch
 
-from ._api import SaveInfo, _locate, file_directory, load
+from ._api import SaveInfo, load
 from ._checkpointer import Checkpointer, Mode, SaveHandle
-from ._commit import OLD_MARKER, TMP_MARKER, fsync_directory, make_temp, publish, remove_path
-from ._exceptions import AiopersistError, CheckpointNotFoundError, DirectoryInUseError, from_os_error
-from ._manifest import MANIFEST_NAME, dump_manifest
+from ._commit import (
+    OLD_MARKER,
+    TMP_MARKER,
+    fsync_directory,
+    make_directories,
+    make_temp,
+    publish,
+    remove_path,
+)
+from ._exceptions import (
+    AiopersistError,
+    CheckpointCorruptError,
+    CheckpointIOError,
+    CheckpointNotFoundError,
+    DirectoryInUseError,
+    from_os_error,
+)
+from ._locate import READ_FLAGS, PathArg, checkpoint_paths, file_problem, locate, read_manifest
+from ._manifest import MANIFEST_NAME, PART_RE, dump_manifest
 from ._parallel import PART_PREFIX
 from ._stream import CudaReady
 
@@ -164,20 +181,32 @@ class StepInfo:
     """Why it is not complete."""
 
 
-def check_step(path: str) -> tuple[bool, int, str | None]:
+def check_step(path: PathArg) -> tuple[bool, int, str | None]:
     """Whether the checkpoint at ``path`` is complete (manifest valid, every file present
-    with its size), its size, and what is wrong otherwise. Reads no tensor data."""
+    with its size), its size, and what is wrong otherwise. Reads no tensor data. ``path``
+    may be the list of directories it was saved to (its parts are then looked for there).
+    Never raises for a damaged checkpoint: whatever is wrong is the answer."""
     try:
-        loc = _locate(path)
-    except (AiopersistError, OSError) as exc:
-        return False, 0, str(exc)
+        loc = locate(path)
+    except Exception as exc:  # a damaged step is reported, never allowed to stop a listing
+        if not isinstance(exc, AiopersistError | OSError):
+            log.debug("aiopersist: checking %s raised", path, exc_info=True)
+        return False, 0, f"{type(exc).__name__}: {exc}" if not isinstance(exc, AiopersistError) else str(exc)
     if loc.manifest is None:
         return False, 0, f"no {MANIFEST_NAME}"
     return True, sum(loc.sizes.values()), None
 
 
-def scan(directory: str, tier: str = "local") -> list[StepInfo]:
-    """Every ``step-N`` in ``directory``, by step."""
+def step_paths(directories: Sequence[str], name: str) -> list[str]:
+    """Where a step is: ``name`` in each of the directories (the first holds the manifest)."""
+    return [os.path.join(d, name) for d in directories]
+
+
+def scan(directories: str | Sequence[str], tier: str = "local") -> list[StepInfo]:
+    """Every ``step-N`` in ``directories`` (one, or the list a save spreads over: each step's
+    parts are looked for in those), by step."""
+    dirs = [directories] if isinstance(directories, str) else list(directories)
+    directory = dirs[0]
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -192,7 +221,7 @@ def scan(directory: str, tier: str = "local") -> list[StepInfo]:
         path = os.path.join(directory, name)
         if not os.path.isdir(path):
             continue
-        complete, nbytes, problem = check_step(path)
+        complete, nbytes, problem = check_step(step_paths(dirs, name))
         out.append(StepInfo(int(m.group(1)), path, tier, complete, nbytes, problem))
     return sorted(out, key=lambda s: s.step)
 
@@ -212,29 +241,38 @@ def to_delete(
     return [s for s in ordered if s not in keep]
 
 
-def _parts_of(path: str) -> list[str]:
-    """The part directories the checkpoint at ``path`` lists (none for one directory)."""
+def own_parts(paths: Sequence[str], token: str | None) -> list[str]:
+    """The part directories of the save ``token`` in the directories ``paths[1:]`` (the
+    places a save to ``paths`` put them): found by the token, never by a path a manifest
+    supplies."""
+    if token is None:
+        return []
+    return [os.path.join(p, f"{PART_PREFIX}{token}") for p in paths[1:]]
+
+
+def _token_of(primary: str) -> str | None:
     try:
-        loc = _locate(path)
+        return read_manifest(primary).token
     except (AiopersistError, OSError):
-        return []
-    if loc.manifest is None:
-        return []
-    return [os.path.normpath(os.path.join(path, d)) for d in loc.manifest.directories[1:]]
+        return None
 
 
-def delete_step(path: str) -> None:
-    """Delete a checkpoint, crash-safely: renamed to a trash name first, then removed,
-    with its parts."""
-    parent, name = os.path.split(path)
+def delete_step(path: PathArg) -> None:
+    """Delete a checkpoint, crash-safely: renamed to a trash name first (atomic), then its
+    parts removed (those of its save in the directories after the first, when ``path`` is
+    the list it was saved to), then the trash. A crash midway leaves trash and parts whose
+    checkpoint is gone: the next manager start removes them."""
+    paths = checkpoint_paths(path)
+    primary = paths[0]
+    parent, name = os.path.split(primary)
     trash = os.path.join(parent, f".{name}{TRASH_MARKER}{uuid.uuid4().hex[:12]}")
-    parts = _parts_of(path)
+    parts = own_parts(paths, _token_of(primary)) if len(paths) > 1 else []
     try:
-        os.rename(path, trash)
+        os.rename(primary, trash)
     except FileNotFoundError:
         return
     except OSError as exc:
-        raise from_os_error(exc, "rename", path) from exc
+        raise from_os_error(exc, "rename", primary) from exc
     fsync_directory(parent)
     for part in parts:
         remove_path(part)
@@ -245,7 +283,9 @@ def delete_step(path: str) -> None:
 
 def clean_leftovers(directories: Sequence[str]) -> list[str]:
     """Remove what crashed saves and deletions left: temporary, trash and replaced
-    directories in the first directory, and in the others the parts no checkpoint lists.
+    directories in the first directory, and in the others the parts that belong to no
+    checkpoint (of a step whose checkpoint is gone, or of another save than the one its
+    checkpoint records). Parts of a step whose manifest cannot be read are left alone.
     Returns what was removed."""
     removed = []
     primary = directories[0]
@@ -268,13 +308,23 @@ def clean_leftovers(directories: Sequence[str]) -> list[str]:
     for extra in directories[1:]:
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(extra):
-                if STEP_RE.match(name) is None:
-                    continue
                 step_dir = os.path.join(extra, name)
-                wanted = set(_parts_of(os.path.join(primary, name)))
+                if STEP_RE.match(name) is None or not _is_real_directory(step_dir):
+                    continue
+                checkpoint = os.path.join(primary, name)
+                if os.path.lexists(checkpoint):
+                    wanted = _token_of(checkpoint)
+                    if wanted is None:
+                        log.warning(
+                            "aiopersist: %s cannot be read; its parts in %s are left alone", checkpoint, extra
+                        )
+                        continue
+                else:
+                    wanted = None  # the checkpoint is gone: every part of it is a leftover
                 for part in os.listdir(step_dir):
-                    path = os.path.join(step_dir, part)
-                    if part.startswith(PART_PREFIX) and os.path.normpath(path) not in wanted:
+                    match = PART_RE.match(part)
+                    if match is not None and match.group(1) != wanted:
+                        path = os.path.join(step_dir, part)
                         remove_path(path)
                         removed.append(path)
                 with contextlib.suppress(OSError):
@@ -282,18 +332,28 @@ def clean_leftovers(directories: Sequence[str]) -> list[str]:
     return removed
 
 
-def copy_step(src: str, mirror: str, step: int) -> str:
-    """Copy the complete checkpoint ``src`` to ``mirror/step-N``, atomically and durably,
-    gathered into one directory. Returns the new path."""
-    loc = _locate(src)
+def _is_real_directory(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def copy_step(src: PathArg, mirror: str, step: int) -> str:
+    """Copy the complete checkpoint ``src`` (a path, or the list it was saved to) to
+    ``mirror/step-N``, atomically and durably, gathered into one directory. Only what the
+    checkpoint holds is copied: the files its manifest lists, from where they were
+    located, and the regular files beside them (an index); never a link. Returns the new
+    path."""
+    loc = locate(src)
     manifest = loc.manifest
-    assert manifest is not None
+    if manifest is None:
+        raise CheckpointNotFoundError(f"{loc.directory}: not an aiopersist checkpoint (no {MANIFEST_NAME})")
     pending = make_temp(os.path.join(mirror, step_name(step)), overwrite=True)
     tmp, final = pending.tmp, pending.final
     try:
         for rec in manifest.files.values():
-            source = os.path.join(file_directory(loc.directory, manifest, rec), rec.name)
-            _copy_file(source, os.path.join(tmp, rec.name))
+            _copy_file(loc.path_of(rec), os.path.join(tmp, rec.name), rec.nbytes)
         gathered = dataclasses.replace(
             manifest,
             files={n: dataclasses.replace(r, directory=0) for n, r in manifest.files.items()},
@@ -301,10 +361,9 @@ def copy_step(src: str, mirror: str, step: int) -> str:
         )
         _write_durably(os.path.join(tmp, MANIFEST_NAME), dump_manifest(gathered))
         for extra in os.listdir(loc.directory):  # an index or anything else beside the data
-            if extra != MANIFEST_NAME and extra not in manifest.files:
-                path = os.path.join(loc.directory, extra)
-                if os.path.isfile(path):
-                    _copy_file(path, os.path.join(tmp, extra))
+            path = os.path.join(loc.directory, extra)
+            if extra != MANIFEST_NAME and extra not in manifest.files and file_problem(path) is None:
+                _copy_file(path, os.path.join(tmp, extra))
         publish(tmp, final, overwrite=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -312,14 +371,26 @@ def copy_step(src: str, mirror: str, step: int) -> str:
     return final
 
 
-def _copy_file(src: str, dst: str) -> None:
+def _copy_file(src: str, dst: str, nbytes: int | None = None) -> None:
+    """Copy a regular file (never through a link), fsynced; ``nbytes``: the size it must have."""
     try:
-        with open(src, "rb") as fin, open(dst, "wb") as fout:
-            shutil.copyfileobj(fin, fout, 8 << 20)
-            fout.flush()
-            os.fsync(fout.fileno())
+        fd = os.open(src, READ_FLAGS | os.O_NONBLOCK)
     except OSError as exc:
-        raise from_os_error(exc, "copy", dst) from exc
+        raise from_os_error(exc, "open", src) from exc
+    with open(fd, "rb") as fin:
+        try:
+            st = os.fstat(fin.fileno())
+        except OSError as exc:
+            raise from_os_error(exc, "fstat", src) from exc
+        if not stat.S_ISREG(st.st_mode) or (nbytes is not None and st.st_size != nbytes):
+            raise CheckpointCorruptError(f"{src}: changed since it was checked (not the regular file listed)")
+        try:
+            with open(dst, "wb") as fout:
+                shutil.copyfileobj(fin, fout, 8 << 20)
+                fout.flush()
+                os.fsync(fout.fileno())
+        except OSError as exc:
+            raise from_os_error(exc, "copy", dst) from exc
 
 
 def _write_durably(path: str, data: bytes) -> None:
@@ -414,12 +485,11 @@ class CheckpointManager:
         self._mirror_lock: asyncio.Lock | None = None
         self._closed = False
         self._locks: list[DirectoryLock] = []
+        self.restored_step: int | None = None
+        """The step the last `restore` loaded."""
         if self._rank0:
             for d in dirs:
-                try:
-                    os.makedirs(d, exist_ok=True)
-                except OSError as exc:
-                    raise from_os_error(exc, "mkdir", d) from exc
+                make_directories(d)  # durable: a power loss keeps what was saved in it
             self._lock_directories()
             try:
                 removed = clean_leftovers(dirs)
@@ -468,7 +538,7 @@ class CheckpointManager:
 
     def scan(self) -> list[StepInfo]:
         """Every ``step-N`` in both tiers, complete or not (local first within a step)."""
-        found = scan(self.directory, "local")
+        found = scan(self.directories, "local")
         if self.mirror is not None:
             try:
                 found += scan(self.mirror, "mirror")
@@ -541,7 +611,7 @@ class CheckpointManager:
             if info is None or not _is_rank0():
                 _resolve(mirrored, None)
                 return
-            await asyncio.to_thread(self._retain, self.directory, self.keep_last, "local")
+            await asyncio.to_thread(self._retain, self.directories, self.keep_last, "local")
             if self.mirror is None:
                 _resolve(mirrored, None)
                 return
@@ -563,17 +633,17 @@ class CheckpointManager:
             _fail_quietly(mirrored, exc)
             raise
 
-    def _retain(self, directory: str, keep_last: int | None, tier: str) -> None:
-        complete = [s for s in scan(directory, tier) if s.complete]
+    def _retain(self, directories: Sequence[str], keep_last: int | None, tier: str) -> None:
+        complete = [s for s in scan(directories, tier) if s.complete]
         protected = (
             set(self._writing)
             | set(self._mirroring)
             | {s.step for s in complete if os.path.normpath(s.path) in self._reading}
         )
         for step in to_delete([s.step for s in complete], keep_last, self.keep_every, protected):
-            path = os.path.join(directory, step_name(step))
-            log.info("aiopersist: retention deletes %s", path)
-            delete_step(path)
+            paths = step_paths(directories, step_name(step))
+            log.info("aiopersist: retention deletes %s", paths[0])
+            delete_step(paths)
 
     async def _sync_mirror(self) -> None:
         """Copy every complete local step the mirror lacks (and would keep) to it, oldest
@@ -582,7 +652,7 @@ class CheckpointManager:
         if self._mirror_lock is None:
             self._mirror_lock = asyncio.Lock()
         async with self._mirror_lock:
-            local = [s for s in scan(self.directory, "local") if s.complete]
+            local = [s for s in scan(self.directories, "local") if s.complete]
             there = {s.step for s in scan(self.mirror, "mirror") if s.complete}
             wanted = [s.step for s in local if s.step not in there]
             self._mirroring.update(wanted)  # local retention leaves them until copied
@@ -592,10 +662,11 @@ class CheckpointManager:
             try:
                 for s in local:
                     if s.step in keep:
-                        await asyncio.to_thread(copy_step, s.path, self.mirror, s.step)
+                        src = step_paths(self.directories, step_name(s.step))
+                        await asyncio.to_thread(copy_step, src, self.mirror, s.step)
             finally:
                 self._mirroring.difference_update(wanted)
-            await asyncio.to_thread(self._retain, self.mirror, self.mirror_keep_last, "mirror")
+            await asyncio.to_thread(self._retain, [self.mirror], self.mirror_keep_last, "mirror")
 
     # -- restoring ----------------------------------------------------------------------
 
@@ -610,17 +681,59 @@ class CheckpointManager:
         newest = max(s.step for s in found)
         return next(s.path for s in found if s.step == newest)  # local sorts first
 
+    def _sources(self, info: StepInfo) -> list[str]:
+        """What to load a step from: its directories in this manager's tiers."""
+        if info.tier == "mirror":
+            return [info.path]
+        return step_paths(self.directories, os.path.basename(info.path))
+
     async def restore(self, step: int | None = None, *, into: object = None, **kwargs: Any) -> Any:
-        """Load the complete ``step`` (the newest by default) from whichever tier has it
-        (local first); arguments as for `aiopersist.load`. Retention does not delete it
-        while it is read."""
-        path = await asyncio.to_thread(self.path_of, step)
-        key = _norm(path)
-        self._reading.add(key)
-        try:
-            return await load(path, into=into, backend=kwargs.pop("backend", self._backend), **kwargs)
-        finally:
-            self._reading.discard(key)
+        """Load the newest step that loads and checks out (or ``step``), from either tier,
+        local first; arguments as for `aiopersist.load`. Retention does not delete a step
+        while it is read.
+
+        A step that is incomplete, or whose data fails its checksums (or cannot be read),
+        is skipped with a warning saying why, and the next one tried: the same step in
+        the mirror, then older steps (only the given ``step``'s copies when one is
+        given). `restored_step` tells which step was loaded. Raises
+        `CheckpointNotFoundError` when there is no step, `CheckpointCorruptError` when
+        none could be loaded. An ``into`` object is only changed by the step that loads.
+        """
+        found = await asyncio.to_thread(self.scan)
+        candidates = sorted(
+            (s for s in found if step is None or s.step == step),
+            key=lambda s: (-s.step, s.tier != "local"),
+        )
+        tiers = self.directory + (f" or {self.mirror}" if self.mirror else "")
+        if not any(s.complete for s in candidates):
+            what = "no complete checkpoint" if step is None else f"no complete checkpoint of step {step}"
+            raise CheckpointNotFoundError(f"{what} in {tiers}")
+        backend = kwargs.pop("backend", self._backend)
+        failures: list[str] = []
+        last: BaseException | None = None
+        for info in candidates:
+            if not info.complete:
+                failures.append(f"step {info.step} ({info.tier}): {info.problem}")
+                log.warning("aiopersist: not restoring %s: incomplete: %s", info.path, info.problem)
+                continue
+            key = _norm(info.path)
+            self._reading.add(key)
+            try:
+                result = await load(self._sources(info), into=into, backend=backend, **kwargs)
+            except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointIOError) as exc:
+                failures.append(f"step {info.step} ({info.tier}): {exc}")
+                log.warning("aiopersist: not restoring %s: %s; trying the next one", info.path, exc)
+                last = exc
+                continue
+            finally:
+                self._reading.discard(key)
+            if failures:
+                log.warning("aiopersist: restored step %d from %s", info.step, info.path)
+            self.restored_step = info.step
+            return result
+        raise CheckpointCorruptError(
+            f"no checkpoint in {tiers} could be restored:\n  " + "\n  ".join(failures)
+        ) from last
 
     # -- the end ------------------------------------------------------------------------
 

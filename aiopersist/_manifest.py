@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ import xxhash
 from ._exceptions import CheckpointCorruptError
 from ._flatten import ViewSpec, dtype_of
 from ._format import dtype_name
+from ._skeleton import check_skeleton
 
 FORMAT = "aiopersist"
 VERSION = 2
@@ -125,6 +127,15 @@ class Manifest:
     """Ranks other than 0 whose skeleton, aliases or views differ from rank 0's (the
     top-level ones)."""
 
+    @property
+    def token(self) -> str | None:
+        """The save's token, as its part directories carry it (``part-<token>``); ``None``
+        for a checkpoint in one directory."""
+        if len(self.directories) < 2:
+            return None
+        match = PART_RE.match(os.path.basename(self.directories[1]))
+        return match.group(1) if match else None
+
     def rank_state(self, rank: int) -> RankState:
         """The skeleton, aliases and views rank ``rank`` saved."""
         if rank < 0 or rank >= self.world_size:
@@ -219,6 +230,16 @@ def dump_manifest(manifest: Manifest) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode() + b"\n"
 
 
+# -- reading: everything a manifest says is checked here, before anything acts on it ------
+
+MAX_SIZE = 1 << 62
+"""Largest byte count, offset or dimension a manifest or header may state."""
+MAX_WORLD_SIZE = 1 << 20
+LAYOUTS = ("state", "hf-model")
+PART_RE = re.compile(r"^part-([0-9a-f]{8,64})$")
+"""The last component of a part directory: ``part-<token>``, the token of the save."""
+
+
 def safe_file_name(name: object, where: str) -> str:
     """A file name from a manifest, refused unless it names a plain file in the checkpoint."""
     if (
@@ -234,31 +255,113 @@ def safe_file_name(name: object, where: str) -> str:
     return name
 
 
-def _int(value: object, what: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CheckpointCorruptError(f"{where}: {what} must be a non-negative integer, got {value!r}")
+def part_token(directory: object, where: str) -> str:
+    """The save token of a part directory as a manifest lists it: a relative path whose
+    last component is ``part-<token>``, with ``..`` only at its start (parts live on other
+    disks, beside the checkpoint's own name there). Anything else is refused, so that no
+    manifest can make a reader, retention or ``gc`` reach an arbitrary directory."""
+    ok = isinstance(directory, str) and directory and "\0" not in directory and "\\" not in directory
+    if ok:
+        assert isinstance(directory, str)
+        parts = directory.split("/")
+        i = 0
+        while i < len(parts) and parts[i] == "..":
+            i += 1
+        rest = parts[i:]
+        match = PART_RE.match(rest[-1]) if rest else None
+        if match is not None and not os.path.isabs(directory) and all(p not in ("", ".", "..") for p in rest):
+            return match.group(1)
+    raise CheckpointCorruptError(
+        f"{where}: directories: {directory!r} is not a part directory (relative, ending in part-<token>)"
+    )
+
+
+def _object(value: object, what: str, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CheckpointCorruptError(f"{where}: {what} must be a JSON object, got {_short(value)}")
+    return value
+
+
+def _list(value: object, what: str, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise CheckpointCorruptError(f"{where}: {what} must be a list, got {_short(value)}")
+    return value
+
+
+def _str(value: object, what: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise CheckpointCorruptError(f"{where}: {what} must be a string, got {_short(value)}")
+    return value
+
+
+def _int(value: object, what: str, where: str, limit: int = MAX_SIZE) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise CheckpointCorruptError(
+            f"{where}: {what} must be an integer from 0 to {limit}, got {_short(value)}"
+        )
     return value
 
 
 def _shape(value: object, what: str, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise CheckpointCorruptError(f"{where}: {what} must be a list, got {value!r}")
-    return tuple(_int(v, what, where) for v in value)
+    dims = tuple(_int(v, what, where) for v in _list(value, what, where))
+    if math.prod(dims) > MAX_SIZE:
+        raise CheckpointCorruptError(f"{where}: {what} {list(dims)} holds an absurd number of elements")
+    return dims
+
+
+def _pair(value: object, what: str, where: str) -> tuple[int, int]:
+    items = _list(value, what, where)
+    if len(items) != 2:
+        raise CheckpointCorruptError(f"{where}: {what} must be [begin, end], got {_short(value)}")
+    begin, end = (_int(v, what, where) for v in items)
+    if begin > end:
+        raise CheckpointCorruptError(f"{where}: {what} {[begin, end]} ends before it begins")
+    return begin, end
+
+
+def _dtype(value: object, what: str, where: str) -> Any:
+    try:
+        return dtype_of(_str(value, what, where))
+    except CheckpointCorruptError as exc:
+        raise CheckpointCorruptError(f"{where}: {what}: {exc}") from None
+
+
+def _checksum(value: object, what: str, where: str) -> str | None:
+    return None if value is None else _str(value, what, where)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_manifest(raw: bytes, where: str) -> Manifest:
-    """Parse and check a manifest; every fault is a `CheckpointCorruptError` naming ``where``."""
+    """Parse and check a manifest; every fault is a `CheckpointCorruptError` naming ``where``
+    and the field.
+
+    Checked before anything reads a byte of data: the checksum of the manifest itself;
+    every file name (a plain name), part directory (see `part_token`), size, offset,
+    dtype and shape (non-negative, bounded); every tensor and slice inside the data
+    section of a listed file, and the tensors of each file tiling its data section
+    exactly (no overlap, no gap: what is allocated for a load is at most what the files
+    hold); views inside their base; aliases and skeleton references to known tensors;
+    the skeleton's markers and its nesting depth.
+    """
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and ints past Python's digit limit
         raise CheckpointCorruptError(f"{where}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise CheckpointCorruptError(f"{where}: JSON nested too deep to parse (damaged or hostile)") from None
     if not isinstance(doc, dict):
         raise CheckpointCorruptError(f"{where}: not a JSON object")
     if doc.get("format") != FORMAT:
-        raise CheckpointCorruptError(f"{where}: not an aiopersist manifest (format {doc.get('format')!r})")
+        raise CheckpointCorruptError(
+            f"{where}: not an aiopersist manifest (format {_short(doc.get('format'))})"
+        )
     version = doc.get("version")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise CheckpointCorruptError(f"{where}: format version {version!r} is not a number")
+        raise CheckpointCorruptError(f"{where}: format version {_short(version)} is not a number")
     if version > VERSION:
         raise CheckpointCorruptError(
             f"{where}: format version {version} is newer than this aiopersist reads ({VERSION}); upgrade"
@@ -268,149 +371,256 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     stated = doc.pop("manifest_checksum", None)
     try:
         actual = xxhash.xxh3_64_hexdigest(_canonical(doc))
-    except ValueError as exc:  # a non-finite float somewhere: never written by aiopersist
-        raise CheckpointCorruptError(f"{where}: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # a non-finite float, or absurd nesting
+        raise CheckpointCorruptError(f"{where}: {type(exc).__name__}: {exc}") from exc
     if stated != actual:
         raise CheckpointCorruptError(
-            f"{where}: manifest checksum mismatch (stated {stated}, computed {actual})"
+            f"{where}: manifest checksum mismatch (stated {_short(stated)}, computed {actual})"
         )
     if doc.get("checksum_algorithm") != CHECKSUM:
-        raise CheckpointCorruptError(f"{where}: unknown checksum algorithm {doc.get('checksum_algorithm')!r}")
-    try:
-        return _build(doc, version, where)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointCorruptError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from exc
-
-
-def _views(doc: Any, tensors: Mapping[str, Any], where: str) -> dict[str, ViewSpec]:
-    views: dict[str, ViewSpec] = {}
-    for name, spec in doc.items():
-        if spec["base"] not in tensors:
-            raise CheckpointCorruptError(f"{where}: view {name!r} is of unknown tensor {spec['base']!r}")
-        views[name] = ViewSpec(
-            spec["base"],
-            _int(spec["offset"], f"offset of view {name!r}", where),
-            dtype_of(spec["dtype"]),
-            _shape(spec["shape"], f"shape of view {name!r}", where),
-            _shape(spec["stride"], f"stride of view {name!r}", where),
+        raise CheckpointCorruptError(
+            f"{where}: unknown checksum algorithm {_short(doc.get('checksum_algorithm'))}"
         )
-    return views
+    return _build(doc, version, where)
 
 
-def _aliases(doc: Any, known: Mapping[str, Any], views: Mapping[str, ViewSpec], where: str) -> dict[str, str]:
-    aliases = {str(k): str(v) for k, v in doc.items()}
-    for name, target in aliases.items():
-        if target not in known and target not in views:
-            raise CheckpointCorruptError(f"{where}: alias {name!r} points to unknown tensor {target!r}")
-    return aliases
+def _directories(doc: dict[str, Any], version: int, where: str) -> tuple[str, ...]:
+    if version < 2 or "directories" not in doc:
+        return (".",)
+    listed = _list(doc["directories"], "directories", where)
+    if not listed or listed[0] != ".":
+        raise CheckpointCorruptError(f"{where}: directories: the first must be the checkpoint itself ('.')")
+    tokens = {part_token(d, where) for d in listed[1:]}
+    if len(tokens) > 1:
+        raise CheckpointCorruptError(f"{where}: directories: parts of different saves ({sorted(tokens)})")
+    if len(set(listed)) != len(listed):
+        raise CheckpointCorruptError(f"{where}: directories: one is listed twice")
+    return tuple(listed)
+
+
+def _files(doc: dict[str, Any], directories: tuple[str, ...], where: str) -> dict[str, FileRecord]:
+    files: dict[str, FileRecord] = {}
+    for name, spec in _object(doc.get("files"), "files", where).items():
+        safe_file_name(name, where)
+        what = f"files[{name!r}]"
+        spec = _object(spec, what, where)
+        nbytes = _int(spec.get("bytes"), f"{what}.bytes", where)
+        offset = spec.get("data_offset")
+        if offset is not None:
+            offset = _int(offset, f"{what}.data_offset", where, limit=nbytes)
+        directory = _int(spec.get("dir", 0), f"{what}.dir", where, limit=len(directories) - 1)
+        checksum = _str(spec.get("checksum"), f"{what}.checksum", where)
+        files[name] = FileRecord(name, nbytes, checksum, offset, directory)
+    return files
+
+
+def _tensors(doc: dict[str, Any], files: Mapping[str, FileRecord], where: str) -> dict[str, TensorRecord]:
+    tensors: dict[str, TensorRecord] = {}
+    for name, spec in _object(doc.get("tensors"), "tensors", where).items():
+        what = f"tensors[{name!r}]"
+        spec = _object(spec, what, where)
+        file = _str(spec.get("file"), f"{what}.file", where)
+        if file not in files:
+            raise CheckpointCorruptError(f"{where}: {what}.file: {file!r} is not listed in files")
+        begin, end = _pair(spec.get("offsets"), f"{what}.offsets", where)
+        dtype = _dtype(spec.get("dtype"), f"{what}.dtype", where)
+        shape = _shape(spec.get("shape"), f"{what}.shape", where)
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointCorruptError(
+                f"{where}: {what}.offsets {[begin, end]} do not hold its shape {list(shape)} of {dtype}"
+            )
+        checksum = _checksum(spec.get("checksum"), f"{what}.checksum", where)
+        tensors[name] = TensorRecord(name, file, begin, end, dtype, shape, checksum)
+    return tensors
 
 
 def _sliced(name: str, spec: Any, files: Mapping[str, FileRecord], where: str) -> SlicedRecord:
-    dtype = dtype_of(spec["dtype"])
-    shape = _shape(spec["shape"], f"shape of {name!r}", where)
+    what = f"sliced[{name!r}]"
+    spec = _object(spec, what, where)
+    dtype = _dtype(spec.get("dtype"), f"{what}.dtype", where)
+    shape = _shape(spec.get("shape"), f"{what}.shape", where)
     if not shape:
-        raise CheckpointCorruptError(f"{where}: sliced tensor {name!r} has no rows")
+        raise CheckpointCorruptError(f"{where}: {what}.shape: a sliced tensor needs rows")
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     slices = []
     pos = 0
-    for piece in spec["slices"]:
-        file = piece["file"]
+    for i, piece in enumerate(_list(spec.get("slices"), f"{what}.slices", where)):
+        at = f"{what}.slices[{i}]"
+        piece = _object(piece, at, where)
+        file = _str(piece.get("file"), f"{at}.file", where)
         if file not in files:
-            raise CheckpointCorruptError(f"{where}: a slice of {name!r} is in {file!r}, which is not listed")
-        begin, end = (_int(v, f"offsets of a slice of {name!r}", where) for v in piece["offsets"])
-        r0, r1 = (_int(v, f"rows of a slice of {name!r}", where) for v in piece["rows"])
-        if r0 != pos or r1 <= r0 or end - begin != (r1 - r0) * row_bytes or end > files[file].nbytes:
-            raise CheckpointCorruptError(f"{where}: slice rows {[r0, r1]} of {name!r} do not fit")
-        checksum = piece.get("checksum")
-        slices.append(SliceRecord(file, begin, end, r0, r1, None if checksum is None else str(checksum)))
+            raise CheckpointCorruptError(f"{where}: {at}.file: {file!r} is not listed in files")
+        begin, end = _pair(piece.get("offsets"), f"{at}.offsets", where)
+        r0, r1 = _pair(piece.get("rows"), f"{at}.rows", where)
+        if r0 != pos or r1 <= r0:
+            raise CheckpointCorruptError(f"{where}: {at}.rows {[r0, r1]}: expected rows from {pos} on")
+        if end - begin != (r1 - r0) * row_bytes:
+            raise CheckpointCorruptError(f"{where}: {at}.offsets {[begin, end]} do not hold rows {[r0, r1]}")
+        checksum = _checksum(piece.get("checksum"), f"{at}.checksum", where)
+        slices.append(SliceRecord(file, begin, end, r0, r1, checksum))
         pos = r1
     if pos != shape[0]:
-        raise CheckpointCorruptError(f"{where}: the slices of {name!r} cover {pos} of its {shape[0]} rows")
+        raise CheckpointCorruptError(f"{where}: {what}: the slices cover {pos} of its {shape[0]} rows")
     return SlicedRecord(name, dtype, shape, tuple(slices))
 
 
-def _directory(value: object, where: str) -> str:
-    if not isinstance(value, str) or not value or "\0" in value or os.path.isabs(value):
-        raise CheckpointCorruptError(f"{where}: directory {value!r} must be a relative path")
-    return value
+def _check_tiling(
+    files: Mapping[str, FileRecord],
+    tensors: Mapping[str, TensorRecord],
+    sliced: Mapping[str, SlicedRecord],
+    where: str,
+) -> None:
+    """The stored tensors and slices of each data file fill its data section exactly."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for t in tensors.values():
+        spans.setdefault(t.file, []).append((t.begin, t.end, f"tensors[{t.name!r}]"))
+    for sl in sliced.values():
+        for i, p in enumerate(sl.slices):
+            spans.setdefault(p.file, []).append((p.begin, p.end, f"sliced[{sl.name!r}].slices[{i}]"))
+    for name, rec in files.items():
+        items = sorted(spans.get(name, []))
+        if rec.data_offset is None:
+            if items:
+                raise CheckpointCorruptError(
+                    f"{where}: {items[0][2]} is in {name!r}, which has no data section"
+                )
+            continue
+        pos = rec.data_offset
+        for begin, end, what in items:
+            if begin != pos:
+                kind = "overlaps the one before" if begin < pos else "leaves a gap before it"
+                raise CheckpointCorruptError(
+                    f"{where}: {what}.offsets start at byte {begin} of {name!r}, expected {pos} ({kind})"
+                )
+            pos = end
+        if pos != rec.nbytes:
+            raise CheckpointCorruptError(
+                f"{where}: files[{name!r}]: its tensors end at byte {pos}, its bytes say {rec.nbytes}"
+            )
+
+
+def _views(doc: Any, nbytes: Mapping[str, int], what: str, where: str) -> dict[str, ViewSpec]:
+    views: dict[str, ViewSpec] = {}
+    for name, spec in _object(doc, what, where).items():
+        at = f"{what}[{name!r}]"
+        spec = _object(spec, at, where)
+        base = _str(spec.get("base"), f"{at}.base", where)
+        if base not in nbytes:
+            raise CheckpointCorruptError(f"{where}: {at}.base: unknown tensor {base!r}")
+        dtype = _dtype(spec.get("dtype"), f"{at}.dtype", where)
+        offset = _int(spec.get("offset"), f"{at}.offset", where)
+        shape = _shape(spec.get("shape"), f"{at}.shape", where)
+        stride = _shape(spec.get("stride"), f"{at}.stride", where)
+        if len(stride) != len(shape):
+            raise CheckpointCorruptError(f"{where}: {at}: {len(shape)} dimensions but {len(stride)} strides")
+        if offset % dtype.itemsize:
+            raise CheckpointCorruptError(
+                f"{where}: {at}.offset {offset} is not a multiple of {dtype.itemsize}"
+            )
+        extent = 0 if 0 in shape else (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1)
+        if offset + extent * dtype.itemsize > nbytes[base]:
+            raise CheckpointCorruptError(f"{where}: {at} reaches past the {nbytes[base]} bytes of {base!r}")
+        views[name] = ViewSpec(base, offset, dtype, shape, stride)
+    return views
+
+
+def _aliases(
+    doc: Any, known: Mapping[str, Any], views: Mapping[str, ViewSpec], what: str, where: str
+) -> dict[str, str]:
+    aliases: dict[str, str] = {}
+    for name, target in _object(doc, what, where).items():
+        target = _str(target, f"{what}[{name!r}]", where)
+        if target not in known and target not in views:
+            raise CheckpointCorruptError(f"{where}: {what}[{name!r}]: unknown tensor {target!r}")
+        aliases[name] = target
+    return aliases
+
+
+def _rank_part(spec: dict[str, Any], nbytes: Mapping[str, int], what: str, where: str) -> RankState:
+    """One rank's skeleton, aliases and views (the top level's, or a ``ranks`` entry's)."""
+    views = _views(spec.get("views", {}), nbytes, f"{what}views", where)
+    aliases = _aliases(spec.get("aliases", {}), nbytes, views, f"{what}aliases", where)
+    if "skeleton" not in spec:
+        raise CheckpointCorruptError(f"{where}: {what}skeleton is missing")
+    skeleton = spec["skeleton"]
+
+    def known(name: str) -> bool:
+        return name in nbytes or name in views or name in aliases
+
+    check_skeleton(skeleton, where, known)
+    return RankState(skeleton, aliases, views)
 
 
 def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
-    directories = (
-        tuple(_directory(d, where) for d in doc.get("directories", ["."])) if version >= 2 else (".",)
+    directories = _directories(doc, version, where)
+    files = _files(doc, directories, where)
+    tensors = _tensors(doc, files, where)
+    sliced = (
+        {
+            name: _sliced(name, spec, files, where)
+            for name, spec in _object(doc["sliced"], "sliced", where).items()
+        }
+        if version >= 2 and "sliced" in doc
+        else {}
     )
-    if not directories or directories[0] != ".":
-        raise CheckpointCorruptError(f"{where}: the first directory must be the checkpoint itself ('.')")
-    files: dict[str, FileRecord] = {}
-    for name, spec in doc["files"].items():
-        safe_file_name(name, where)
-        offset = spec.get("data_offset")
-        directory = _int(spec.get("dir", 0), f"directory of {name}", where)
-        if directory >= len(directories):
-            raise CheckpointCorruptError(
-                f"{where}: file {name!r} is in directory {directory}, which is not listed"
-            )
-        files[name] = FileRecord(
-            name,
-            _int(spec["bytes"], f"size of {name}", where),
-            str(spec["checksum"]),
-            None if offset is None else _int(offset, f"data offset of {name}", where),
-            directory,
-        )
-    tensors: dict[str, TensorRecord] = {}
-    for name, spec in doc["tensors"].items():
-        file = spec["file"]
-        if file not in files:
-            raise CheckpointCorruptError(
-                f"{where}: tensor {name!r} is in {file!r}, which the manifest does not list"
-            )
-        begin, end = (_int(v, f"offsets of {name!r}", where) for v in spec["offsets"])
-        dtype = dtype_of(spec["dtype"])
-        shape = _shape(spec["shape"], f"shape of {name!r}", where)
-        if end - begin != math.prod(shape) * dtype.itemsize or end > files[file].nbytes:
-            raise CheckpointCorruptError(
-                f"{where}: tensor {name!r} has offsets {[begin, end]} that do not fit"
-            )
-        checksum = spec.get("checksum")
-        tensors[name] = TensorRecord(
-            name, file, begin, end, dtype, shape, None if checksum is None else str(checksum)
-        )
-    sliced = {name: _sliced(name, spec, files, where) for name, spec in doc.get("sliced", {}).items()}
     clash = set(sliced) & set(tensors)
     if clash:
         raise CheckpointCorruptError(f"{where}: {sorted(clash)[0]!r} is listed both whole and sliced")
-    known = {**tensors, **sliced}
-    views = _views(doc["views"], known, where)
-    aliases = _aliases(doc["aliases"], known, views, where)
-    world_size = _int(doc.get("world_size", 1), "world_size", where)
+    _check_tiling(files, tensors, sliced, where)
+    nbytes = {**{n: t.nbytes for n, t in tensors.items()}, **{n: s.nbytes for n, s in sliced.items()}}
+    top = _rank_part(doc, nbytes, "", where)
+    world_size = _int(doc.get("world_size", 1), "world_size", where, limit=MAX_WORLD_SIZE)
+    if world_size < 1:
+        raise CheckpointCorruptError(f"{where}: world_size must be at least 1")
     ranks: dict[int, RankState] = {}
-    for key, spec in doc.get("ranks", {}).items():
-        rank = int(key)
-        if not 0 < rank < world_size:
-            raise CheckpointCorruptError(f"{where}: rank {key!r} is outside the world of {world_size}")
-        rviews = _views(spec["views"], known, where)
-        ranks[rank] = RankState(spec["skeleton"], _aliases(spec["aliases"], known, rviews, where), rviews)
+    for key, spec in _object(doc["ranks"], "ranks", where).items() if version >= 2 and "ranks" in doc else ():
+        if not key.isdecimal() or not 0 < int(key) < world_size:
+            raise CheckpointCorruptError(f"{where}: ranks: {key!r} is not a rank from 1 to {world_size - 1}")
+        ranks[int(key)] = _rank_part(
+            _object(spec, f"ranks[{key!r}]", where), nbytes, f"ranks[{key!r}].", where
+        )
     pickle_file = doc.get("pickle")
     if pickle_file is not None:
         safe_file_name(pickle_file, where)
-        if pickle_file not in files:
-            raise CheckpointCorruptError(f"{where}: pickle file {pickle_file!r} is not listed")
+        if pickle_file not in files or files[pickle_file].data_offset is not None:
+            raise CheckpointCorruptError(
+                f"{where}: pickle: {pickle_file!r} is not a listed file without tensors"
+            )
     metadata = doc.get("metadata") or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointCorruptError(f"{where}: metadata must map strings to strings")
+    layout = doc.get("layout", "state")
+    if layout not in LAYOUTS:
+        raise CheckpointCorruptError(f"{where}: layout {_short(layout)} is not one of {', '.join(LAYOUTS)}")
     return Manifest(
         files=files,
         tensors=tensors,
-        skeleton=doc["skeleton"],
-        aliases=aliases,
-        views=views,
+        skeleton=top.skeleton,
+        aliases=top.aliases,
+        views=top.views,
         pickle_file=pickle_file,
         metadata=metadata,
-        layout=str(doc.get("layout", "state")),
+        layout=layout,
         world_size=world_size,
         version=version,
-        created=str(doc.get("created", "")),
+        created=_str(doc.get("created", ""), "created", where),
         sliced=sliced,
         directories=directories,
         ranks=ranks,
     )
+
+
+def parse_index(raw: bytes, where: str) -> list[str]:
+    """The data files a Hugging Face ``model.safetensors.index.json`` names (sorted, each
+    once), checked like a manifest's file names; `CheckpointCorruptError` otherwise."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{where}: not a valid safetensors index ({exc})") from exc
+    except RecursionError:
+        raise CheckpointCorruptError(f"{where}: JSON nested too deep to parse (damaged or hostile)") from None
+    weight_map = _object(_object(doc, "the index", where).get("weight_map"), "weight_map", where)
+    if not weight_map:
+        raise CheckpointCorruptError(f"{where}: weight_map is empty: the index names no file")
+    names = {safe_file_name(_str(f, f"weight_map[{k!r}]", where), where) for k, f in weight_map.items()}
+    return sorted(names)

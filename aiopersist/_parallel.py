@@ -39,12 +39,19 @@ import torch
 
 from ._api import SaveInfo, countdown, write_file
 from ._backends import IOBackend, wait_uncancellable
-from ._commit import TMP_MARKER, fsync_directory, publish, remove_path
+from ._commit import TMP_MARKER, fsync_directory, make_directories, publish, remove_path
 from ._direct import probe_directory
 from ._dist import Coordinator
-from ._exceptions import CheckpointExistsError, StateMismatchError, UnsupportedStateError, from_os_error
+from ._exceptions import (
+    AiopersistError,
+    CheckpointExistsError,
+    StateMismatchError,
+    UnsupportedStateError,
+    from_os_error,
+)
 from ._flatten import Flattened, ViewSpec
 from ._format import dtype_name, layout_file
+from ._locate import read_manifest
 from ._manifest import (
     MANIFEST_NAME,
     FileRecord,
@@ -55,9 +62,9 @@ from ._manifest import (
     TensorRecord,
     dump_manifest,
     new_hasher,
-    parse_manifest,
 )
 from ._partition import Entry, Piece, partition, writers_for
+from ._skeleton import rename_refs
 from ._staging import StagingPool
 from ._stream import PartHasher, run_all
 
@@ -109,21 +116,6 @@ def _dtype(name: str) -> torch.dtype:
     return dtype_from_name(name)
 
 
-_REFS = ("__tensor__", "__ndarray__", "__npscalar__")
-
-
-def _rename_refs(node: Any, names: Mapping[str, str]) -> Any:
-    """The skeleton with every tensor reference in ``names`` renamed."""
-    if isinstance(node, list):
-        return [_rename_refs(v, names) for v in node]
-    if not isinstance(node, dict):
-        return node
-    if len(node) == 1 and next(iter(node)) in _REFS:
-        key, value = next(iter(node.items()))
-        return {key: names.get(value, value)}
-    return {k: _rename_refs(v, names) for k, v in node.items()}
-
-
 def describe(flat: Flattened, rank: int, world_size: int, replicated: Replicated) -> tuple[TensorDesc, ...]:
     """Classify this rank's stored tensors: shared by all ranks, this rank's own, or a
     dim-0 shard of a whole tensor."""
@@ -154,7 +146,7 @@ def rank_state(flat: Flattened, tensors: Sequence[TensorDesc]) -> RankState:
         k: ViewSpec(names.get(v.base, v.base), v.offset, v.dtype, v.shape, v.stride)
         for k, v in flat.views.items()
     }
-    return RankState(_rename_refs(flat.skeleton, names), aliases, views)
+    return RankState(rename_refs(flat.skeleton, names), aliases, views)
 
 
 @dataclass(frozen=True)
@@ -348,24 +340,35 @@ def _part_dir(path: str, token: str) -> str:
 def _make_primary(final: str, token: str, overwrite: bool) -> str:
     if os.path.lexists(final) and not overwrite:
         raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
-    parent = os.path.dirname(final)
+    make_directories(os.path.dirname(final))
     tmp = _primary_tmp(final, token)
     try:
-        os.makedirs(parent, exist_ok=True)
         os.mkdir(tmp)
     except OSError as exc:
-        raise from_os_error(exc, "mkdir", parent) from exc
+        raise from_os_error(exc, "mkdir", tmp) from exc
     return tmp
 
 
-def _old_parts(final: str) -> list[str]:
-    """The part directories of the checkpoint at ``final`` (to go with it when replaced)."""
+def _remove_primary(tmp: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(tmp)  # just made, still empty
+
+
+def _token_at(final: str) -> str | None:
+    """The save token of the checkpoint at ``final`` (``None``: none there, or unreadable)."""
     try:
-        with open(os.path.join(final, MANIFEST_NAME), "rb") as f:
-            old = parse_manifest(f.read(), final)
-    except (OSError, ValueError):
+        return read_manifest(final).token
+    except (AiopersistError, OSError):
+        return None
+
+
+def _old_parts(final: str, paths: Sequence[str]) -> list[str]:
+    """The parts of the checkpoint at ``final`` in the directories of this save (to go with
+    it when it is replaced): found by its token, never where its manifest points."""
+    token = _token_at(final)
+    if token is None:
         return []
-    return [os.path.normpath(os.path.join(final, d)) for d in old.directories[1:]]
+    return [_part_dir(p, token) for p in paths[1:]]
 
 
 async def save_spread(
@@ -413,7 +416,11 @@ async def save_spread(
         tensors = describe(flat, rank, world, replicated)
         local_rank = coord.local_rank if coord is not None else 0
         if rank == 0:
-            await asyncio.to_thread(_make_primary, final, token, overwrite)
+            # Uncancellable: a cancellation while the thread makes it would leave it behind.
+            await wait_uncancellable(
+                asyncio.ensure_future(asyncio.to_thread(_make_primary, final, token, overwrite)),
+                discard=_remove_primary,
+            )
         desc = RankDesc(rank, local_rank, tensors, rank_state(flat, tensors), token)
     except Exception as exc:
         error = exc
@@ -431,7 +438,7 @@ async def save_spread(
         old_parts: list[str] = []
         if rank == 0:
             try:
-                old_parts = await asyncio.to_thread(_old_parts, final) if overwrite else []
+                old_parts = await asyncio.to_thread(_old_parts, final, paths) if overwrite else []
                 await _commit(
                     be, pool, descs, plan, all_records, paths, token, final, metadata, overwrite, discard
                 )
@@ -487,7 +494,7 @@ async def _write_mine(
                     if f.directory == 0
                     else _part_dir(paths[f.directory], token)
                 )
-                await asyncio.to_thread(os.makedirs, d, exist_ok=True)
+                await asyncio.to_thread(make_directories, d)
                 dirs[f.directory] = d
         probes = {i: await asyncio.to_thread(probe_directory, d) for i, d in dirs.items()}
 
@@ -588,11 +595,9 @@ async def _commit(
     def durable_and_published() -> None:
         for part in parts:
             if os.path.isdir(part):
-                # The part, the disk's directory for the checkpoint, and the directory above
-                # it (the save may have created the one in between).
+                # Its files' entries; the part itself and the directories above it were
+                # made durable when they were created (make_directories).
                 fsync_directory(part)
-                fsync_directory(os.path.dirname(part))
-                fsync_directory(os.path.dirname(os.path.dirname(part)))
         publish(tmp, final, overwrite, discard or remove_path)
 
     await wait_uncancellable(asyncio.ensure_future(asyncio.to_thread(durable_and_published)))
@@ -603,8 +608,7 @@ def _abort(final: str, token: str, paths: Sequence[str]) -> None:
     after the rename, e.g. of the parent's fsync, leaves a visible checkpoint whose parts
     must stay)."""
     parts = [_part_dir(p, token) for p in paths[1:]]
-    listed = {os.path.normpath(q) for q in _old_parts(final)}
-    published = any(os.path.normpath(p) in listed for p in parts)
+    published = _token_at(final) == token
     _remove_all([_primary_tmp(final, token)] + ([] if published else parts))
 
 

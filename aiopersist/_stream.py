@@ -466,7 +466,8 @@ async def read_segments(
     align = dio.offset_align if dio.direct else 1
     windows = _plan_windows([(off, off + d.numel()) for off, d in staged], align, window)
 
-    fd = await backend.open(name, os.O_RDONLY | dio.open_flags)
+    # Never through a link: a checkpoint's files are regular files (checked when located).
+    fd = await backend.open(name, os.O_RDONLY | os.O_NOFOLLOW | dio.open_flags)
     try:
         try:
             size = os.fstat(fd).st_size

@@ -116,7 +116,7 @@ async def test_symlink_out_of_the_checkpoint(backend_name: str, tmp_path: Path) 
     outside = tmp_path / "elsewhere.safetensors"
     (ckpt / "state.safetensors").rename(outside)
     (ckpt / "state.safetensors").symlink_to(outside)
-    await _both_fail(ckpt, backend_name, r"a link that leads out of the checkpoint")
+    await _both_fail(ckpt, backend_name, r"state\.safetensors: a symbolic link, not a regular file")
 
 
 async def test_offsets_past_the_file(backend_name: str, tmp_path: Path) -> None:
@@ -127,7 +127,7 @@ async def test_offsets_past_the_file(backend_name: str, tmp_path: Path) -> None:
         t["offsets"] = [t["offsets"][0] + 10**9, t["offsets"][1] + 10**9]
 
     _rewrite_manifest(ckpt, stretch)
-    await _both_fail(ckpt, backend_name, r"'model\.b' has offsets .* that do not fit")
+    await _both_fail(ckpt, backend_name, r"tensors\['model\.b'\]\.offsets start at byte \d+ of 'state\.safetensors'")
 
 
 async def test_skeleton_pointing_nowhere(backend_name: str, tmp_path: Path) -> None:

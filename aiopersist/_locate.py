@@ -1,0 +1,230 @@
+"""What kind of checkpoint is at a path, and where its files are, checked before any read.
+
+A path is an aiopersist checkpoint (a directory with ``aiopersist.json``), a Hugging Face
+model directory (``model.safetensors``, or shards named by ``model.safetensors.index.json``)
+or a single safetensors file. Everything the manifest or the index says is validated by
+the pure parsers first (`parse_manifest`, `parse_index`); then every file they name is
+checked to be a regular file, not a link, a FIFO or a device (``lstat``: a FIFO would hang
+the reader, a link could lead anywhere), with the size the manifest states. Only then is
+anything opened for reading, and then with ``O_NOFOLLOW``.
+
+The one exception is a path the caller names directly: a safetensors file given as the
+path may be a link (the Hugging Face cache links its snapshots to blobs); it is resolved
+and must lead to a regular file.
+
+A checkpoint spread over several directories has its parts in ``part-<token>``
+directories. Given only the checkpoint, they are found where the manifest says (relative
+paths, checked to end in the part's own name). Given the list of directories the save was
+given (as `CheckpointManager` does), they are found in those directories instead, never
+where the manifest points: a copied or forked run reads its own parts.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._direct import DirectIOInfo, probe_file_for_read
+from ._exceptions import CheckpointCorruptError, CheckpointNotFoundError, from_os_error
+from ._manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_index, parse_manifest
+
+MODEL_FILE = "model.safetensors"
+MODEL_INDEX = "model.safetensors.index.json"
+READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+"""Flags of every open of a checkpoint's file for reading (plus ``O_DIRECT`` where used)."""
+
+PathArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+def checkpoint_paths(path: PathArg) -> list[str]:
+    """``path`` as a list of absolute paths: the checkpoint, then its parts' directories."""
+    if isinstance(path, str | os.PathLike):
+        return [os.path.abspath(os.fspath(path))]
+    paths = [os.path.abspath(os.fspath(p)) for p in path]
+    if not paths:
+        raise ValueError("path: an empty list of directories")
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"path: the same directory is listed twice: {paths}")
+    return paths
+
+
+@dataclass(frozen=True)
+class Located:
+    """A checkpoint found and checked (see the module docstring)."""
+
+    kind: str
+    """``manifest``, ``hf-dir`` or ``safetensors``."""
+    directory: str
+    files: tuple[str, ...]
+    """Absolute paths of the data files (``hf-dir`` and ``safetensors``)."""
+    manifest: Manifest | None
+    dio: DirectIOInfo
+    sizes: dict[str, int]
+    """Size of each file: by name (``manifest``), by absolute path otherwise."""
+    places: tuple[str, ...] = ()
+    """``manifest``: the absolute directory of each of `Manifest.directories`."""
+
+    def path_of(self, rec: FileRecord) -> str:
+        """Where a file of the manifest is."""
+        return os.path.join(self.places[rec.directory], rec.name)
+
+
+def _kind_of(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def file_problem(path: str, nbytes: int | None = None) -> str | None:
+    """What is wrong with a file a checkpoint lists (``None``: a regular file, of
+    ``nbytes`` bytes when given). Follows no link."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        raise from_os_error(exc, "lstat", path) from exc
+    if not stat.S_ISREG(st.st_mode):
+        return f"{_kind_of(st.st_mode)}, not a regular file"
+    if nbytes is not None and st.st_size != nbytes:
+        return f"{st.st_size} bytes, the manifest says {nbytes} (truncated or replaced)"
+    return None
+
+
+def regular_size(path: str, where: str, nbytes: int | None = None) -> int:
+    """The size of ``path``, a regular file (not a link) of ``nbytes`` bytes when given;
+    `CheckpointCorruptError` naming ``where`` (what listed it) otherwise."""
+    problem = file_problem(path, nbytes)
+    if problem == "missing":
+        raise CheckpointCorruptError(f"{path}: missing ({where} lists it)")
+    if problem is not None:
+        raise CheckpointCorruptError(f"{path}: {problem} ({where} lists it)")
+    return os.lstat(path).st_size
+
+
+def read_small(path: str, limit: int) -> bytes:
+    """A small file (manifest, index) read whole: a regular file, not a link, at most
+    ``limit`` bytes. Opened without blocking (a FIFO cannot hang it) or following links."""
+    try:
+        fd = os.open(path, READ_FLAGS | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such file") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointCorruptError(f"{path}: a symbolic link, not a regular file") from None
+        raise from_os_error(exc, "open", path) from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointCorruptError(f"{path}: {_kind_of(mode)}, not a regular file")
+        chunks = []
+        total = 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 24, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as exc:
+        raise from_os_error(exc, "read", path) from exc
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise CheckpointCorruptError(f"{path}: larger than {limit} bytes")
+    return b"".join(chunks)
+
+
+def read_manifest(directory: str) -> Manifest:
+    """The parsed, validated manifest of the checkpoint at ``directory`` (its files are not
+    looked at)."""
+    mpath = os.path.join(directory, MANIFEST_NAME)
+    return parse_manifest(read_small(mpath, MAX_MANIFEST_BYTES), mpath)
+
+
+def part_places(primary: str, manifest: Manifest, given: Sequence[str] = ()) -> tuple[str, ...]:
+    """The absolute directory of each of the manifest's directories: the checkpoint, then
+    its parts, in the directories ``given`` (the save's list, after the checkpoint's own)
+    when there are any, else where the manifest's relative paths lead."""
+    places = [primary]
+    for i, rel in enumerate(manifest.directories[1:], 1):
+        if len(given) > 1:
+            if i >= len(given):
+                raise CheckpointNotFoundError(
+                    f"{primary}: the checkpoint has parts in {len(manifest.directories) - 1} more "
+                    f"directories, {len(given) - 1} given"
+                )
+            places.append(os.path.join(given[i], os.path.basename(rel)))
+        else:
+            places.append(os.path.normpath(os.path.join(primary, rel)))
+    return tuple(places)
+
+
+def _check_part(place: str, where: str) -> None:
+    try:
+        st = os.lstat(place)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{place}: missing ({where} lists this part directory)") from None
+    except OSError as exc:
+        raise from_os_error(exc, "lstat", place) from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointCorruptError(f"{place}: {_kind_of(st.st_mode)}, not a part directory ({where})")
+
+
+def locate(path: PathArg) -> Located:
+    """Find the checkpoint at ``path`` and check everything about it but its data (see the
+    module docstring). ``path`` may be the list of directories it was saved to."""
+    paths = checkpoint_paths(path)
+    target = paths[0]
+    if os.path.basename(target) == MANIFEST_NAME and file_problem(target) is None:
+        target = os.path.dirname(target)  # the manifest stands for its checkpoint
+        paths[0] = target
+    if os.path.isdir(target):
+        mpath = os.path.join(target, MANIFEST_NAME)
+        if os.path.lexists(mpath):
+            manifest = read_manifest(target)
+            places = part_places(target, manifest, paths)
+            for place in places[1:]:
+                _check_part(place, mpath)
+            sizes = {
+                name: regular_size(os.path.join(places[rec.directory], name), mpath, rec.nbytes)
+                for name, rec in manifest.files.items()
+            }
+            return Located("manifest", target, (), manifest, probe_file_for_read(mpath), sizes, places)
+        index = os.path.join(target, MODEL_INDEX)
+        if os.path.lexists(index):
+            names = parse_index(read_small(index, MAX_MANIFEST_BYTES), index)
+            files = tuple(os.path.join(target, n) for n in names)
+            where = index
+        elif os.path.lexists(os.path.join(target, MODEL_FILE)):
+            files = (os.path.join(target, MODEL_FILE),)
+            where = "the directory"
+        else:
+            raise CheckpointNotFoundError(f"{target}: no {MANIFEST_NAME}, {MODEL_FILE} or {MODEL_INDEX} here")
+        sizes = {f: regular_size(f, where) for f in files}
+        return Located("hf-dir", target, files, None, probe_file_for_read(files[0]), sizes)
+    if not os.path.lexists(target):
+        raise CheckpointNotFoundError(f"{target}: no such checkpoint")
+    # A file named by the caller: links are followed (the caller chose it), to a regular file.
+    real = os.path.realpath(target)
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{target}: a link to nothing") from None
+    except OSError as exc:
+        raise from_os_error(exc, "stat", real) from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorruptError(f"{target}: {_kind_of(st.st_mode)}, not a checkpoint")
+    return Located(
+        "safetensors", os.path.dirname(real), (real,), None, probe_file_for_read(real), {real: st.st_size}
+    )
