@@ -194,8 +194,8 @@ def locate(path: PathArg) -> Located:
         if os.path.lexists(mpath):
             manifest = read_manifest(target)
             places = part_places(target, manifest, paths)
-            for place in places[1:]:
-                _check_part(place, mpath)
+            for i in sorted({rec.directory for rec in manifest.files.values()} - {0}):
+                _check_part(places[i], mpath)  # a directory the save wrote nothing to was not made
             sizes = {
                 name: regular_size(os.path.join(places[rec.directory], name), mpath, rec.nbytes)
                 for name, rec in manifest.files.items()

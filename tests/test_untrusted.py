@@ -1,0 +1,492 @@
+"""A checkpoint on disk is untrusted input. Hostile or damaged manifests, indexes, headers
+and files give `CheckpointCorruptError` naming the field: never a hang, a read or a
+deletion outside the checkpoint, a huge allocation, or an untyped error. A damaged step
+never stops a manager from listing, restoring or retaining the others; the manager
+touches only its own data. Every I/O test runs on both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import aiopersist
+from aiopersist import _commit
+from aiopersist._manifest import MAX_SIZE, parse_index
+from aiopersist._skeleton import MAX_CONTAINER_DEPTH, MAX_SKELETON_DEPTH
+from tests.test_corruption import _rewrite_manifest
+
+pytestmark = pytest.mark.asyncio
+
+
+def _state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {"model": {"w": torch.randn(64, 64), "b": torch.randn(64)}, "step": 3}
+
+
+async def _checkpoint(path: Path, backend: str, state: object = None) -> Path:
+    await aiopersist.save(_state() if state is None else state, path, backend=backend)
+    return path
+
+
+async def _refused(path: Any, backend: str, match: str) -> None:
+    """load and verify both refuse, with CheckpointCorruptError matching ``match``."""
+    with pytest.raises(aiopersist.CheckpointCorruptError, match=match):
+        await aiopersist.load(path, backend=backend)
+    with pytest.raises(aiopersist.CheckpointCorruptError, match=match):
+        await aiopersist.verify(path, backend=backend)
+
+
+def _sentinel(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "precious.bin").write_bytes(b"do not delete")
+    return path / "precious.bin"
+
+
+# -- part directories and files outside the checkpoint ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "directory",
+    ["..", "../..", ".", "part-0123456789ab/..", "/abs/part-0123456789ab", "x/../part-0123456789ab", ""],
+)
+async def test_part_directories_that_are_not_parts_are_refused(
+    backend_name: str, tmp_path: Path, directory: str
+) -> None:
+    ckpt = await _checkpoint(tmp_path / "run" / "step-1", backend_name)
+
+    def spread(doc: dict[str, Any]) -> None:
+        doc["version"] = 2
+        doc["directories"] = [".", directory]
+
+    _rewrite_manifest(ckpt, spread)
+    await _refused(ckpt, backend_name, r"directories: .* is not a part directory")
+
+
+async def test_retention_and_gc_never_delete_through_a_forged_part_directory(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A step whose manifest lists '..' (or a path to another run) as a part: listing,
+    retention and ``gc --apply`` delete nothing outside the manager's own steps, the newest
+    step included."""
+    run = tmp_path / "run"
+    other = _sentinel(tmp_path / "other-run" / "step-1" / "part-0123456789ab")
+    async with aiopersist.CheckpointManager(run, backend=backend_name) as mgr:
+        for step in (1, 2):
+            await (await mgr.save(step, _state())).done
+    for name, directory in (("step-1", ".."), ("step-2", "../../other-run/step-1/part-0123456789ab")):
+
+        def forge(doc: dict[str, Any], directory: str = directory) -> None:
+            doc["version"] = 2
+            doc["directories"] = [".", directory]
+
+        _rewrite_manifest(run / name, forge)
+    async with aiopersist.CheckpointManager(run, keep_last=1, backend=backend_name) as mgr:
+        found = {s.step: s for s in mgr.scan()}
+        assert not found[1].complete and "not a part directory" in (found[1].problem or "")
+        assert found[2].complete  # its files are all its own: the listed part holds none
+        await (await mgr.save(3, _state())).done
+        await mgr.wait()
+    from aiopersist._cli import main
+
+    assert main(["gc", str(run), "--keep-last", "1", "--apply", "--leftovers"]) == 0
+    assert other.read_bytes() == b"do not delete"
+    # Retention deleted step 2 (complete), not what its manifest listed; step 1 is
+    # damaged, so left alone.
+    assert sorted(n for n in os.listdir(run) if n.startswith("step-")) == ["step-1", "step-3"]
+
+
+async def test_a_file_outside_the_checkpoint_is_never_read_nor_mirrored(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A forged manifest points a file at another directory through a part path: load,
+    verify, the completeness check and the mirror all refuse it."""
+    ckpt = await _checkpoint(tmp_path / "run" / "step-1", backend_name)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    shutil.copy(ckpt / "state.safetensors", secret / "state.safetensors")
+
+    def outside(doc: dict[str, Any]) -> None:
+        doc["version"] = 2
+        doc["directories"] = [".", "../../secret"]
+        doc["files"]["state.safetensors"]["dir"] = 1
+
+    _rewrite_manifest(ckpt, outside)
+    (ckpt / "state.safetensors").unlink()
+    await _refused(ckpt, backend_name, "not a part directory")
+    mirror = tmp_path / "mirror"
+    async with aiopersist.CheckpointManager(tmp_path / "run", mirror=mirror, backend=backend_name) as mgr:
+        assert mgr.steps() == []
+        await (await mgr.save(2, _state())).done
+        await mgr.wait()
+    assert sorted(n for n in os.listdir(mirror) if n.startswith("step-")) == ["step-2"]
+
+
+async def test_links_inside_a_checkpoint_are_not_followed(backend_name: str, tmp_path: Path) -> None:
+    """A ``model.safetensors`` (or a manifest's file, or the manifest itself) that is a
+    link is refused, inside or out; a safetensors file named directly may be a link."""
+    model = {"w": torch.randn(8, 8)}
+    hf = await _checkpoint(tmp_path / "hf", backend_name, torch.nn.Linear(8, 8))
+    outside = tmp_path / "outside.safetensors"
+    (hf / "model.safetensors").rename(outside)
+    (hf / "model.safetensors").symlink_to(outside)
+    (hf / "aiopersist.json").unlink()  # a plain Hugging Face directory now
+    await _refused(hf, backend_name, r"model\.safetensors: a symbolic link, not a regular file")
+    # Named directly, the link is the caller's choice.
+    back = await aiopersist.load(hf / "model.safetensors", backend=backend_name)
+    assert set(back) == {"weight", "bias"}
+    ckpt = await _checkpoint(tmp_path / "c", backend_name, model)
+    real = tmp_path / "real.json"
+    (ckpt / "aiopersist.json").rename(real)
+    (ckpt / "aiopersist.json").symlink_to(real)
+    await _refused(ckpt, backend_name, r"aiopersist\.json: a symbolic link")
+
+
+# -- FIFOs and other special files ------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+async def test_a_fifo_never_hangs_load_or_verify(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path / "c", backend_name)
+    (ckpt / "state.safetensors").unlink()
+    os.mkfifo(ckpt / "state.safetensors")
+    await _refused(ckpt, backend_name, r"state\.safetensors: a FIFO, not a regular file")
+    ckpt2 = await _checkpoint(tmp_path / "c2", backend_name)
+    (ckpt2 / "aiopersist.json").unlink()
+    os.mkfifo(ckpt2 / "aiopersist.json")
+    await _refused(ckpt2, backend_name, r"aiopersist\.json: a FIFO, not a regular file")
+    # Named by a Hugging Face index.
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    os.mkfifo(hf / "model-00001-of-00001.safetensors")
+    (hf / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}})
+    )
+    await _refused(hf, backend_name, r"a FIFO, not a regular file")
+    # Passed as the path itself.
+    fifo = tmp_path / "x.safetensors"
+    os.mkfifo(fifo)
+    await _refused(fifo, backend_name, r"x\.safetensors: a FIFO, not a checkpoint")
+    async with aiopersist.CheckpointManager(tmp_path / "run", backend=backend_name) as mgr:
+        await (await mgr.save(1, _state())).done
+    (tmp_path / "run" / "step-2").mkdir()
+    os.mkfifo(tmp_path / "run" / "step-2" / "aiopersist.json")
+    async with aiopersist.CheckpointManager(tmp_path / "run", backend=backend_name) as mgr:
+        assert mgr.steps() == [1]
+        assert (await mgr.restore())["step"] == 3
+
+
+# -- sizes, shapes and offsets ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda t: t.update(shape=[1 << 40, 1 << 40]), r"tensors\['model\.b'\]\.shape .* absurd number"),
+        (lambda t: t.update(shape=[1 << 20, 1 << 20]), r"tensors\['model\.b'\]\.offsets .* do not hold"),
+        (lambda t: t.update(shape=[0, 1 << 70]), r"tensors\['model\.b'\]\.shape must be an integer"),
+        (lambda t: t.update(shape=[-1]), r"tensors\['model\.b'\]\.shape must be an integer"),
+        (lambda t: t.update(shape="64"), r"tensors\['model\.b'\]\.shape must be a list"),
+        (lambda t: t.update(shape=[True]), r"tensors\['model\.b'\]\.shape must be an integer"),
+        (lambda t: t.update(dtype="F128"), r"tensors\['model\.b'\]\.dtype: .*unknown dtype 'F128'"),
+        (lambda t: t.update(dtype=None), r"tensors\['model\.b'\]\.dtype must be a string"),
+        (lambda t: t.update(offsets=[0]), r"tensors\['model\.b'\]\.offsets must be \[begin, end\]"),
+        (lambda t: t.update(offsets=[9, 1]), r"ends before it begins"),
+        (lambda t: t.update(offsets=[0, 1 << 63]), r"must be an integer from 0 to"),
+        (lambda t: t.update(file="nope.safetensors"), r"tensors\['model\.b'\]\.file: 'nope\.safetensors'"),
+        (lambda t: t.update(file=["x"]), r"tensors\['model\.b'\]\.file must be a string"),
+    ],
+)
+async def test_absurd_tensor_records_are_refused(
+    backend_name: str, tmp_path: Path, change: Any, match: str
+) -> None:
+    ckpt = await _checkpoint(tmp_path / "c", backend_name)
+    _rewrite_manifest(ckpt, lambda d: change(d["tensors"]["model.b"]))
+    await _refused(ckpt, backend_name, match)
+
+
+async def test_overlapping_tensors_are_refused_by_verify_as_by_load(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """Two tensors over the same bytes (a forged manifest that would make a load allocate
+    the file many times over): load and verify refuse alike."""
+    ckpt = await _checkpoint(tmp_path / "c", backend_name, {f"t{i}": torch.ones(256) for i in range(4)})
+
+    def overlap(doc: dict[str, Any]) -> None:
+        first = doc["tensors"]["t0"]["offsets"]
+        for t in doc["tensors"].values():
+            t["offsets"] = list(first)
+
+    _rewrite_manifest(ckpt, overlap)
+    await _refused(ckpt, backend_name, r"overlaps the one before")
+
+
+async def test_file_records_are_bounded(backend_name: str, tmp_path: Path) -> None:
+    ckpt = await _checkpoint(tmp_path / "c", backend_name)
+    _rewrite_manifest(ckpt, lambda d: d["files"]["state.safetensors"].update(bytes=1 << 70))
+    await _refused(ckpt, backend_name, r"files\['state\.safetensors'\]\.bytes must be an integer")
+    _rewrite_manifest(
+        ckpt, lambda d: d["files"]["state.safetensors"].update(bytes=MAX_SIZE, data_offset=1 << 61)
+    )
+    await _refused(ckpt, backend_name, r"offsets start at byte 4096 of 'state\.safetensors', expected \d+")
+
+
+async def test_a_view_reaching_past_its_base_is_refused(backend_name: str, tmp_path: Path) -> None:
+    base = torch.arange(100, dtype=torch.float32)
+    ckpt = await _checkpoint(tmp_path / "c", backend_name, {"a": base[:10], "b": base[5:50], "n": 1})
+    _rewrite_manifest(ckpt, lambda d: next(iter(d["views"].values())).update(shape=[1 << 50], stride=[1]))
+    await _refused(ckpt, backend_name, r"views\[.*\] reaches past the \d+ bytes")
+    _rewrite_manifest(ckpt, lambda d: next(iter(d["views"].values())).update(stride=[1, 2]))
+    await _refused(ckpt, backend_name, r"1 dimensions but 2 strides")
+
+
+async def test_hf_headers_with_absurd_shapes_are_refused(backend_name: str, tmp_path: Path) -> None:
+    for shape in ([0, 1 << 70], [1 << 40, 1 << 40], [-1], "ab"):
+        header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+        path = tmp_path / "x.safetensors"
+        path.write_bytes(struct.pack("<Q", len(header)) + header)
+        await _refused(
+            path, backend_name, r"x\.safetensors: tensor 'w' has (an invalid shape|invalid offsets|offsets)"
+        )
+
+
+async def test_an_hf_index_naming_nothing_is_refused(backend_name: str, tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for body, match in (
+        ({"weight_map": {}}, "weight_map is empty"),
+        ({"weight_map": []}, "weight_map must be a JSON object"),
+        ({}, "weight_map must be a JSON object"),
+        ({"weight_map": {"w": "../x.safetensors"}}, "would escape the checkpoint"),
+        ({"weight_map": {"w": 3}}, r"weight_map\['w'\] must be a string"),
+        ([], "the index must be a JSON object"),
+    ):
+        (hf / "model.safetensors.index.json").write_text(json.dumps(body))
+        await _refused(hf, backend_name, match)
+    (hf / "model.safetensors.index.json").write_text("[" * 100_000)
+    await _refused(hf, backend_name, "nested too deep|not a valid safetensors index")
+    with pytest.raises(aiopersist.CheckpointCorruptError, match="weight_map is empty"):
+        parse_index(b'{"weight_map": {}}', "index")
+
+
+# -- nesting ----------------------------------------------------------------------------------
+
+
+def _nested(depth: int) -> Any:
+    node: Any = {"leaf": torch.ones(2)}
+    for _ in range(depth - 1):
+        node = {"x": node}
+    return node
+
+
+async def test_deep_nesting_saves_to_the_limit_and_is_refused_beyond(
+    backend_name: str, tmp_path: Path
+) -> None:
+    deepest = _nested(MAX_CONTAINER_DEPTH)
+    await aiopersist.save(deepest, tmp_path / "ok", backend=backend_name)
+    back = await aiopersist.load(tmp_path / "ok", backend=backend_name)
+    for _ in range(MAX_CONTAINER_DEPTH - 1):
+        back = back["x"]
+    assert torch.equal(back["leaf"], torch.ones(2))
+    with pytest.raises(
+        aiopersist.UnsupportedStateError, match=r"state(\['x'\])+: containers nested more than"
+    ):
+        await aiopersist.save(_nested(MAX_CONTAINER_DEPTH + 1), tmp_path / "no", backend=backend_name)
+    assert not (tmp_path / "no").exists()
+
+
+async def test_a_deep_skeleton_is_refused_and_spares_the_other_steps(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """One step whose skeleton nests 100,000 levels (RecursionError in every recursive
+    walk): it is refused with a typed error, and the manager lists, restores and retains
+    the others."""
+    run = tmp_path / "run"
+    async with aiopersist.CheckpointManager(run, keep_last=2, backend=backend_name) as mgr:
+        for step in (1, 2):
+            await (await mgr.save(step, {"step": step, "w": torch.ones(4)})).done
+
+    def deep(doc: dict[str, Any]) -> None:
+        node: Any = 0
+        for _ in range(MAX_SKELETON_DEPTH + 1):
+            node = [node]
+        doc["skeleton"]["step"] = node
+
+    _rewrite_manifest(run / "step-2", deep)
+    await _refused(run / "step-2", backend_name, r"skeleton.*nested deeper than")
+    (run / "step-2" / "aiopersist.json").write_text('{"skeleton": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    await _refused(run / "step-2", backend_name, r"aiopersist\.json: JSON nested too deep")
+    async with aiopersist.CheckpointManager(run, keep_last=2, backend=backend_name) as mgr:
+        assert mgr.steps() == [1]
+        assert mgr.latest() == 1
+        assert (await mgr.restore())["step"] == 1
+        for step in (3, 4):
+            await (await mgr.save(step, {"step": step, "w": torch.ones(4)})).done
+        await mgr.wait()
+        assert mgr.steps() == [3, 4]  # retention went on; the damaged step is left alone
+    assert (run / "step-2").is_dir()
+    from aiopersist._cli import main
+
+    assert main(["ls", str(run)]) == 0
+
+
+@pytest.mark.parametrize(
+    ("node", "match"),
+    [
+        ({"__tensor__": 5}, "bad __tensor__ entry"),
+        ({"__tensor__": "model.w", "extra": 1}, "bad __tensor__ entry .2 keys"),
+        ({"__tuple__": {}}, "bad __tuple__ entry .not a list"),
+        ({"__dict__": [[1]]}, "bad __dict__ entry"),
+        ({"__float__": "1e999"}, "bad __float__ entry"),
+        ({"__bytes__": 5}, "bad __bytes__ entry"),
+        ({"__pickle__": -1}, "bad __pickle__ entry"),
+        ({"__module__": "x"}, "bad __module__ entry"),
+    ],
+)
+async def test_malformed_skeleton_markers_are_refused(
+    backend_name: str, tmp_path: Path, node: Any, match: str
+) -> None:
+    ckpt = await _checkpoint(tmp_path / "c", backend_name)
+    _rewrite_manifest(ckpt, lambda d: d["skeleton"].update(step=node))
+    await _refused(ckpt, backend_name, r"skeleton\['step'\]: " + match)
+
+
+# -- the manager touches only its own data ----------------------------------------------------
+
+
+async def test_a_forked_two_disk_run_keeps_each_runs_parts(backend_name: str, tmp_path: Path) -> None:
+    """A two-disk run copied to two new disks: the copy's manifests still point (by
+    relative path) at the original's parts. Each manager reads, retains and deletes its own
+    parts only."""
+    a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    async with aiopersist.CheckpointManager([a, b], keep_last=1, backend=backend_name) as mgr:
+        for step in (1, 2):
+            state = {"step": step, "w": torch.full((256, 256), float(step)), "v": torch.ones(256, 256)}
+            await (await mgr.save(step, state)).done
+        await mgr.wait()
+    fa, fb = tmp_path / "fa" / "run", tmp_path / "fb" / "run"
+    shutil.copytree(tmp_path / "a", tmp_path / "fa", symlinks=True)
+    shutil.copytree(tmp_path / "b", tmp_path / "fb", symlinks=True)
+    original_parts = sorted(p.relative_to(b) for p in b.rglob("part-*"))
+    async with aiopersist.CheckpointManager([fa, fb], keep_last=1, backend=backend_name) as fork:
+        # The fork reads its own copy: damage the original's part, the fork still restores.
+        part = next((b / "step-2").glob("part-*"))
+        data = next(part.iterdir())
+        saved = data.read_bytes()
+        data.write_bytes(saved[:-1] + bytes([saved[-1] ^ 1]))
+        assert (await fork.restore())["step"] == 2
+        data.write_bytes(saved)
+        for step in (3, 4):
+            await (
+                await fork.save(step, {"step": step, "w": torch.ones(256, 256), "v": torch.ones(256, 256)})
+            ).done
+        await fork.wait()
+        assert fork.steps() == [4]
+    assert sorted(p.relative_to(b) for p in b.rglob("part-*")) == original_parts
+    async with aiopersist.CheckpointManager([a, b], keep_last=1, backend=backend_name) as mgr:
+        assert mgr.steps() == [2]
+        assert torch.equal((await mgr.restore())["w"], torch.full((256, 256), 2.0))
+    assert not list((fb / "step-2").glob("part-*"))  # the fork deleted its own copy of step 2
+
+
+async def test_restore_falls_back_to_the_newest_step_that_loads(
+    backend_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    async with aiopersist.CheckpointManager(run, mirror=mirror, backend=backend_name) as mgr:
+        for step in (1, 2, 3):
+            await (await mgr.save(step, {"step": step, "w": torch.full((128,), float(step))})).done
+        await mgr.wait()
+
+    def flip(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    flip(run / "step-3" / "state.safetensors")  # the local copy of 3: checksum fails
+    async with aiopersist.CheckpointManager(run, mirror=mirror, backend=backend_name) as mgr:
+        with caplog.at_level(logging.WARNING, logger="aiopersist"):
+            back = await mgr.restore()
+        assert back["step"] == 3 and mgr.restored_step == 3  # the mirror's copy of 3
+        assert "checksum mismatch" in caplog.text
+        flip(mirror / "step-3" / "state.safetensors")
+        (run / "step-2" / "state.safetensors").unlink()  # 2: incomplete everywhere but the mirror
+        target = {"step": 0, "w": torch.zeros(128)}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="aiopersist"):
+            await mgr.restore(into=target)
+        assert target["step"] == 2 and mgr.restored_step == 2
+        assert torch.equal(target["w"], torch.full((128,), 2.0))
+        assert "step-3" in caplog.text and "missing" in caplog.text
+        with pytest.raises(aiopersist.CheckpointCorruptError, match="could be restored"):
+            await mgr.restore(3)
+        flip(mirror / "step-2" / "state.safetensors")
+        flip(mirror / "step-1" / "state.safetensors")
+        flip(run / "step-1" / "state.safetensors")
+        with pytest.raises(aiopersist.CheckpointCorruptError, match="no checkpoint .* could be restored"):
+            await mgr.restore(into=target)
+        assert target["step"] == 2  # the failed restores changed nothing
+
+
+# -- durability of created directories, and cancellation ---------------------------------------
+
+
+async def test_directories_a_save_creates_are_fsynced_into_their_parents(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real = _commit.fsync_directory
+
+    def record(path: str) -> None:
+        synced.append(os.path.abspath(path))
+        real(path)
+
+    monkeypatch.setattr(_commit, "fsync_directory", record)
+    target = tmp_path / "new" / "deeper" / "ckpt"
+    await aiopersist.save(_state(), target, backend=backend_name)
+    for d in (tmp_path, tmp_path / "new", tmp_path / "new" / "deeper"):
+        assert str(d) in synced, d  # each new directory's entry, and the checkpoint's
+    synced.clear()
+    await aiopersist.save(_state(), [tmp_path / "x" / "c", tmp_path / "y" / "z" / "c"], backend=backend_name)
+    for d in (tmp_path, tmp_path / "x", tmp_path / "y", tmp_path / "y" / "z", tmp_path / "y" / "z" / "c"):
+        assert str(d) in synced, d
+    synced.clear()
+    mgr = aiopersist.CheckpointManager(
+        [tmp_path / "m" / "a", tmp_path / "m" / "b"], mirror=tmp_path / "mm" / "mirror", backend=backend_name
+    )
+    async with mgr:
+        await (await mgr.save(1, _state())).done
+        await mgr.wait()
+    for d in (tmp_path, tmp_path / "m", tmp_path / "mm", tmp_path / "mm" / "mirror"):
+        assert str(d) in synced, d
+
+
+async def test_cancelling_a_save_at_any_await_leaves_nothing(backend_name: str, tmp_path: Path) -> None:
+    """A save cancelled after 0, 1, 2, ... event-loop iterations (its first await
+    included) leaves no temporary directory, on one directory and on two."""
+    for target in ([tmp_path / "one" / "c"], [tmp_path / "two" / "c", tmp_path / "two-b" / "c"]):
+        for ticks in range(0, 40):
+            task = asyncio.ensure_future(
+                aiopersist.save(_state(), target, backend=backend_name, overwrite=True)
+            )
+            for _ in range(ticks):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            for d in {p.parent for p in target}:
+                left = [n for n in os.listdir(d) if ".aiopersist-tmp-" in n] if d.exists() else []
+                assert not left, (ticks, left)
+            parts = [p for p in target[1:] if p.exists() for p in p.iterdir()]
+            if not (target[0] / "aiopersist.json").exists():
+                assert not parts, (ticks, parts)
