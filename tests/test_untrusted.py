@@ -7,6 +7,7 @@ touches only its own data. Every I/O test runs on both backends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -91,7 +92,8 @@ async def test_retention_and_gc_never_delete_through_a_forged_part_directory(
         _rewrite_manifest(run / name, forge)
     async with aiopersist.CheckpointManager(run, keep_last=1, backend=backend_name) as mgr:
         found = {s.step: s for s in mgr.scan()}
-        assert not found[1].complete and "not a part directory" in (found[1].problem or "")
+        assert not found[1].complete
+        assert "not a part directory" in (found[1].problem or "")
         assert found[2].complete  # its files are all its own: the listed part holds none
         await (await mgr.save(3, _state())).done
         await mgr.wait()
@@ -415,7 +417,8 @@ async def test_restore_falls_back_to_the_newest_step_that_loads(
     async with aiopersist.CheckpointManager(run, mirror=mirror, backend=backend_name) as mgr:
         with caplog.at_level(logging.WARNING, logger="aiopersist"):
             back = await mgr.restore()
-        assert back["step"] == 3 and mgr.restored_step == 3  # the mirror's copy of 3
+        assert back["step"] == 3
+        assert mgr.restored_step == 3
         assert "checksum mismatch" in caplog.text
         flip(mirror / "step-3" / "state.safetensors")
         (run / "step-2" / "state.safetensors").unlink()  # 2: incomplete everywhere but the mirror
@@ -423,9 +426,11 @@ async def test_restore_falls_back_to_the_newest_step_that_loads(
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="aiopersist"):
             await mgr.restore(into=target)
-        assert target["step"] == 2 and mgr.restored_step == 2
+        assert target["step"] == 2
+        assert mgr.restored_step == 2
         assert torch.equal(target["w"], torch.full((128,), 2.0))
-        assert "step-3" in caplog.text and "missing" in caplog.text
+        assert "step-3" in caplog.text
+        assert "missing" in caplog.text
         with pytest.raises(aiopersist.CheckpointCorruptError, match="could be restored"):
             await mgr.restore(3)
         flip(mirror / "step-2" / "state.safetensors")
@@ -480,10 +485,8 @@ async def test_cancelling_a_save_at_any_await_leaves_nothing(backend_name: str, 
             for _ in range(ticks):
                 await asyncio.sleep(0)
             task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
             for d in {p.parent for p in target}:
                 left = [n for n in os.listdir(d) if ".aiopersist-tmp-" in n] if d.exists() else []
                 assert not left, (ticks, left)
