@@ -127,7 +127,7 @@ async def test_offsets_past_the_file(backend_name: str, tmp_path: Path) -> None:
         t["offsets"] = [t["offsets"][0] + 10**9, t["offsets"][1] + 10**9]
 
     _rewrite_manifest(ckpt, stretch)
-    await _both_fail(ckpt, backend_name, r"tensors\['model\.b'\]\.offsets start at byte \d+ of 'state\.safetensors'")
+    await _both_fail(ckpt, backend_name, r"tensors\['model\.b'\]\.offsets start at byte \d+ of 'state\.safet")
 
 
 async def test_skeleton_pointing_nowhere(backend_name: str, tmp_path: Path) -> None:

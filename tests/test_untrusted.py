@@ -436,7 +436,7 @@ async def test_restore_falls_back_to_the_newest_step_that_loads(
         flip(mirror / "step-2" / "state.safetensors")
         flip(mirror / "step-1" / "state.safetensors")
         flip(run / "step-1" / "state.safetensors")
-        with pytest.raises(aiopersist.CheckpointCorruptError, match="no checkpoint .* could be restored"):
+        with pytest.raises(aiopersist.CheckpointCorruptError, match=r"no checkpoint .* could be restored"):
             await mgr.restore(into=target)
         assert target["step"] == 2  # the failed restores changed nothing
 
