@@ -33,6 +33,7 @@ from ._exceptions import CheckpointCorruptError as CheckpointCorruptError
 from ._exceptions import CheckpointExistsError as CheckpointExistsError
 from ._exceptions import CheckpointIOError as CheckpointIOError
 from ._exceptions import CheckpointNotFoundError as CheckpointNotFoundError
+from ._exceptions import ClosedError as ClosedError
 from ._exceptions import DirectoryInUseError as DirectoryInUseError
 from ._exceptions import DiskFullError as DiskFullError
 from ._exceptions import RankFailedError as RankFailedError
@@ -61,6 +62,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "Checkpointer",
+    "ClosedError",
     "DirectIOInfo",
     "DirectoryInUseError",
     "DiskFullError",

@@ -9,7 +9,6 @@ checksum -> tensors -> the object rebuilt, or loaded in place into ``into``.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import datetime
 import errno
@@ -52,6 +51,7 @@ from ._skeleton import decode
 from ._skeleton import refs as skeleton_refs
 from ._staging import StagingPool
 from ._stream import FileWriter, cuda_ready_streams, read_segments, run_all, settle
+from ._workers import DaemonThreadPool
 
 PICKLE_FILE = "pickled.bin"
 T = TypeVar("T")
@@ -447,7 +447,7 @@ class _Prefaulter:
     """
 
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aiopersist-prefault")
+        self._pool = DaemonThreadPool(1, thread_name_prefix="aiopersist-prefault")
         self._waiting: list[AlignedBuffer] = []
 
     def __call__(self, mem: AlignedBuffer) -> None:

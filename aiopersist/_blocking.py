@@ -8,18 +8,28 @@ GIL released.
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import concurrent.futures
 import functools
+import logging
 import os
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Self
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 
+from . import _knobs
 from ._api import ExtraFiles, SaveInfo
 from ._checkpointer import Checkpointer, Mode, OnBusy, SaveHandle
 from ._locate import PathArg
 from ._manager import CheckpointManager, ManagedSaveHandle
 from ._stream import CudaReady, caller_cuda_ready
+from ._workers import DaemonThreadPool
+
+log = logging.getLogger("aiopersist")
 
 
 async def _await(fut: Any) -> Any:
@@ -64,21 +74,94 @@ class BlockingSaveHandle:
         return self.handle.done.done()
 
 
+class _LoopThread:
+    """An asyncio event loop in a daemon thread, driven through an anyio blocking portal.
+
+    Daemon, with a daemon default executor (`DaemonThreadPool`): neither keeps the
+    interpreter alive. A facade still open when the interpreter exits is closed by
+    `_close_open_facades`, before anything is torn down.
+    """
+
+    def __init__(self, name: str) -> None:
+        ready: concurrent.futures.Future[tuple[BlockingPortal, asyncio.AbstractEventLoop]]
+        ready = concurrent.futures.Future()
+
+        async def serve() -> None:
+            loop = asyncio.get_running_loop()
+            loop.set_default_executor(DaemonThreadPool(_TO_THREAD_WORKERS, f"{name}-worker"))
+            async with BlockingPortal() as portal:
+                ready.set_result((portal, loop))
+                await portal.sleep_until_stopped()
+
+        def run() -> None:
+            try:
+                anyio.run(serve)
+            except BaseException as exc:
+                if not ready.done():
+                    ready.set_exception(exc)
+
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
+        self.thread.start()
+        self.portal, self.loop = ready.result()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the loop (cancelling what still runs on it) and wait for its thread."""
+        try:
+            self.portal.start_task_soon(self.portal.stop, True).result(timeout)
+        except (RuntimeError, concurrent.futures.TimeoutError):
+            return  # already stopped, or wedged: a daemon thread, left to the exit
+        self.thread.join(timeout)
+
+
+_TO_THREAD_WORKERS = 8
+_open_facades: set[_OnPortal] = set()
+_exit_hook_lock = threading.Lock()
+_exit_hook_registered = False
+
+
+def _register_exit_hook() -> None:
+    """Close the open facades at interpreter exit, before threads are joined and modules
+    torn down (``threading._register_atexit``, which runs then, where available)."""
+    global _exit_hook_registered
+    with _exit_hook_lock:
+        if _exit_hook_registered:
+            return
+        _exit_hook_registered = True
+    import concurrent.futures.thread  # noqa: F401  its exit hook registered first, so it runs after ours
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(_close_open_facades)
+            return
+        except RuntimeError:  # the interpreter is already shutting down
+            pass
+    atexit.register(_close_open_facades)
+
+
+def _close_open_facades() -> None:
+    for facade in list(_open_facades):
+        facade._close_at_exit(_knobs.exit_grace())
+
+
 class _OnPortal:
     """An async object driven from synchronous code: it lives on an event loop in a
-    background thread (anyio's blocking portal) from `_start` until `close`."""
+    background daemon thread from `_start` until `close`."""
 
     _portal: BlockingPortal
+    _closed = True
 
     def _start(self, make: Callable[[], Awaitable[Any]]) -> Any:
-        self._portal_cm = start_blocking_portal("asyncio")
-        self._portal = self._portal_cm.__enter__()
+        _register_exit_hook()
+        self._loop_thread = _LoopThread(f"aiopersist-{type(self).__name__}")
+        self._portal = self._loop_thread.portal
         try:
             made = self._portal.call(make)
         except BaseException:
-            self._portal_cm.__exit__(None, None, None)
+            self._loop_thread.stop()
             raise
         self._closed = False
+        _open_facades.add(self)
         return made
 
     def _aclose(self) -> Awaitable[None]:
@@ -89,16 +172,65 @@ class _OnPortal:
         if self._closed:
             return
         self._closed = True
+        _open_facades.discard(self)
         try:
             self._portal.call(self._aclose)
         finally:
-            self._portal_cm.__exit__(None, None, None)
+            self._loop_thread.stop()
+
+    def _close_at_exit(self, grace: float) -> None:
+        """At interpreter exit: give the saves in flight ``grace`` seconds to finish, then
+        cancel them (a cancelled save removes what it wrote) and give that a few seconds.
+        Never raises, and never waits much longer than ``grace``: the process must end.
+        What is still running then is abandoned with the loop's daemon thread; it has
+        published nothing, and the next start removes what it left."""
+        if self._closed:
+            return
+        self._closed = True
+        _open_facades.discard(self)
+        finished = threading.Event()
+
+        async def close() -> None:
+            try:
+                await self._aclose()
+            finally:
+                finished.set()
+
+        # A plain asyncio task, cancelled once (not through the portal, whose cancel scopes
+        # would cancel it again at every await of the saves' cleanup).
+        closing = asyncio.run_coroutine_threadsafe(close(), self._loop_thread.loop)
+        try:
+            if not finished.wait(grace):
+                log.warning(
+                    "aiopersist: exiting with a save still in flight after %.0f s "
+                    "(AIOPERSIST_EXIT_GRACE): cancelled; no checkpoint is published, and what it "
+                    "wrote is removed now or by the next start",
+                    grace,
+                )
+                closing.cancel()
+                finished.wait(_EXIT_CANCEL_SECONDS)
+        except BaseException:  # a second Ctrl-C while waiting: exit now
+            closing.cancel()
+            return
+        if not finished.is_set():
+            return  # the loop's daemon thread is left to the exit
+        try:
+            closing.result(timeout=0)
+        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
+            pass
+        except BaseException as exc:  # the save's own error: the caller never waited for it
+            log.warning("aiopersist: a save in flight at exit failed: %s", exc)
+        self._loop_thread.stop(timeout=_EXIT_CANCEL_SECONDS)
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_EXIT_CANCEL_SECONDS = 5.0
+"""At exit, how long a cancelled save gets to remove what it wrote."""
 
 
 class BlockingCheckpointer(_OnPortal):

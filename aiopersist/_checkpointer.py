@@ -44,7 +44,7 @@ from ._backends import IOBackend, create_backend
 from ._commit import remove_path
 from ._direct import AlignedBuffer, copy_bytes
 from ._dist import Coordinator, coordinator
-from ._exceptions import AiopersistError
+from ._exceptions import AiopersistError, ClosedError
 from ._flatten import Flattened, StoredTensor, flatten
 from ._locate import PathArg, checkpoint_paths
 from ._parallel import save_spread
@@ -160,6 +160,7 @@ class Checkpointer:
         # and gives it back once its write is over, never while it is being written from.
         self._snapshots: list[AlignedBuffer] = []
         self._closed = False
+        self._released = False
 
     # -- the API ---------------------------------------------------------------------------
 
@@ -193,7 +194,7 @@ class Checkpointer:
         other streams; devices it leaves out get an event here.
         """
         if self._closed:
-            raise RuntimeError("the Checkpointer is closed")
+            raise ClosedError("the Checkpointer is closed")
         paths = checkpoint_paths(path)
         coord = coordinator(group)  # before any await, as every rank's first step
         if coord is not None and self.max_in_flight > 1:
@@ -222,7 +223,7 @@ class Checkpointer:
         slot = _Slot(self._slots)
         try:
             if self._closed:
-                raise RuntimeError("the Checkpointer was closed while this save waited for a slot")
+                raise ClosedError("the Checkpointer was closed while this save waited for a slot")
             spread: _Spread | None = None
             planned: list[PlannedFile] = []
             flat: Flattened | Exception
@@ -289,16 +290,36 @@ class Checkpointer:
             try:
                 await self.wait()
             except BaseException:
-                while self._tasks:
-                    tasks = list(self._tasks)
-                    for task in tasks:
-                        task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):  # cancelled again: wait on
-                        await settle(tasks)
+                await self._cancel_all()
                 raise
         finally:
+            await self._release()
+
+    async def _abort(self) -> None:
+        """Close now: cancel the saves in flight (none leaves a final directory), wait for
+        them to end, release everything."""
+        self._closed = True
+        try:
+            await self._cancel_all()
+        finally:
+            await self._release()
+
+    async def _cancel_all(self) -> None:
+        while self._tasks:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: wait on
+                await settle(tasks)
+
+    async def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        try:
             if self._backend is not None:
                 await self._backend.aclose()
+        finally:
             self.pool.close()
             for memory in self._snapshots:
                 memory.close()

@@ -12,6 +12,7 @@ Every error has one root, so ``except aiopersist.AiopersistError`` catches them 
     ├── UnsupportedStateError (TypeError)     the object to save holds something unstorable
     ├── StateMismatchError (KeyError)         load(into=...): the saved state does not fit
     ├── RankFailedError                       a distributed save failed on another rank
+    ├── ClosedError (RuntimeError)            the backend, Checkpointer or manager is closed
     └── SnapshotBudgetError (MemoryError)     Checkpointer(mode="snapshot"): over the budget
                                               (defined in _checkpointer)
 
@@ -100,6 +101,12 @@ class RankFailedError(AiopersistError):
     """A distributed save failed on another rank (or a rank stopped answering): this rank
     raises it so that the save fails everywhere and nothing is committed. The message
     names the rank and its error."""
+
+
+class ClosedError(AiopersistError, RuntimeError):
+    """The I/O backend, `Checkpointer` or `CheckpointManager` was closed: a request made
+    after ``aclose``, or one that was still waiting for a free slot when it came, fails
+    with this (nothing of it was submitted)."""
 
 
 _DISK_FULL = {_errno.ENOSPC, _errno.EDQUOT}

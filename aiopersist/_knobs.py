@@ -66,3 +66,20 @@ def snapshot_bytes() -> int:
 def dist_timeout() -> float:
     """Seconds a distributed save waits for the other ranks at each exchange."""
     return float(_env_int("AIOPERSIST_DIST_TIMEOUT", 600))
+
+
+def exit_grace() -> float:
+    """Seconds a blocking facade still open at interpreter exit (a crash, Ctrl-C, a script
+    that never closed it) gives its saves in flight to finish before they are abandoned
+    (``AIOPERSIST_EXIT_GRACE``; 0 abandons at once). An abandoned save leaves no
+    checkpoint, only a temporary directory that the next start removes."""
+    raw = os.environ.get("AIOPERSIST_EXIT_GRACE")
+    if raw is None or raw == "":
+        return 30.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable AIOPERSIST_EXIT_GRACE={raw!r} is not a number") from None
+    if not value >= 0:
+        raise ValueError(f"environment variable AIOPERSIST_EXIT_GRACE={raw!r} must be 0 or more")
+    return value

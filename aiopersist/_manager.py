@@ -63,6 +63,7 @@ from ._exceptions import (
     CheckpointCorruptError,
     CheckpointIOError,
     CheckpointNotFoundError,
+    ClosedError,
     DirectoryInUseError,
     from_os_error,
 )
@@ -572,7 +573,7 @@ class CheckpointManager:
         `Checkpointer.save`). Retention and the mirror follow the commit, in the
         background."""
         if self._closed:
-            raise RuntimeError("the CheckpointManager is closed")
+            raise ClosedError("the CheckpointManager is closed")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"step must be a non-negative int, got {step!r}")
         loop = asyncio.get_running_loop()
@@ -751,6 +752,15 @@ class CheckpointManager:
         self._closed = True
         try:
             await self.wait()
+        except BaseException:
+            # Cancelled (by the caller, or at interpreter exit): retention and mirroring stop
+            # waiting (a deletion or copy already in a thread ends there, or is abandoned at
+            # exit: both are crash-safe), and the saves in flight are cancelled.
+            for task in list(self._tasks):
+                task.cancel()
+            if self._own:
+                await self.checkpointer._abort()
+            raise
         finally:
             try:
                 if self._own:

@@ -8,6 +8,8 @@ import os
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
+from .._exceptions import ClosedError
+
 T = TypeVar("T")
 
 Buffer = Any  # anything exposing the (C-contiguous) buffer protocol
@@ -56,6 +58,9 @@ class IOBackend(abc.ABC):
     - ``write`` writes the whole buffer (short writes, ``EINTR`` and ``EAGAIN`` are
       retried); ``read`` fills the buffer or stops at end of file and returns the count.
     - At most ``queue_depth`` requests are in flight; more callers wait their turn.
+    - ``aclose`` lets the requests in flight complete; callers still waiting for a turn,
+      and any later call, fail with [`ClosedError`][aiopersist.ClosedError] (their request
+      is never submitted).
     - Errors are [`CheckpointIOError`][aiopersist.CheckpointIOError] (``DiskFullError`` for ENOSPC)
       carrying the errno and the file name.
     - Cancelling an awaiter never frees its buffer early: the awaiter waits for its
@@ -82,7 +87,7 @@ class IOBackend(abc.ABC):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"the {self.name} backend is closed")
+            raise ClosedError(f"the {self.name} backend is closed")
 
     # -- the protocol ----------------------------------------------------------------
 

@@ -10,10 +10,10 @@ import asyncio
 import errno
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from .._exceptions import CheckpointIOError, from_os_error, io_error
+from .._workers import DaemonThreadPool
 from ._base import Buffer, IOBackend, wait_uncancellable
 
 T = TypeVar("T")
@@ -70,7 +70,8 @@ class ThreadsBackend(IOBackend):
 
     def __init__(self, queue_depth: int) -> None:
         super().__init__(queue_depth)
-        self._executor = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="aiopersist-io")
+        # Daemon workers: one stuck in a system call never holds a crashed process open.
+        self._executor = DaemonThreadPool(queue_depth, thread_name_prefix="aiopersist-io")
         self._slots = asyncio.Semaphore(queue_depth)
         self._in_flight = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -97,6 +98,9 @@ class ThreadsBackend(IOBackend):
         self._check_open()
         loop = self._bind_loop()
         await self._slots.acquire()
+        if self._closed:  # closed while this request waited for its turn
+            self._slots.release()
+            self._check_open()
         self._in_flight += 1
         try:
             cfut = self._executor.submit(fn, *args)

@@ -94,6 +94,13 @@ class UringBackend(IOBackend):
         if self._broken is not None:
             raise self._broken
         await self._slots.acquire()
+        if self._closed or self._broken is not None:
+            # Closed (or broken) while this request waited for its turn: the ring may be
+            # gone already, so nothing is prepared on it.
+            self._slots.release()
+            self._check_open()
+            assert self._broken is not None
+            raise self._broken
         sqe = None
         try:
             sqe = uring.io_uring_get_sqe(self._ring)

@@ -1,0 +1,100 @@
+"""Worker threads that never hold the interpreter open at exit.
+
+`concurrent.futures.ThreadPoolExecutor` joins its workers when the interpreter exits, so a
+worker stuck in a system call (a write to a hung mount, a collective waiting for a rank
+that died) keeps a crashed training job alive. aiopersist's own I/O and its facades' event
+loops run their work on `DaemonThreadPool` instead: at exit, work still running is
+abandoned, which the on-disk protocol is made for (nothing is ever half-published).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_Job = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def _run(job: _Job) -> None:
+    future, fn, args, kwargs = job
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+class DaemonThreadPool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool of at most ``max_workers`` daemon threads, made as work arrives.
+
+    A subclass of ``ThreadPoolExecutor`` only so that asyncio takes it as a loop's default
+    executor; it uses none of its machinery (whose workers are joined at exit), only the
+    public ``submit``/``shutdown`` interface.
+    """
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "aiopersist") -> None:
+        # ThreadPoolExecutor.__init__ is deliberately not called: see the class docstring.
+        if max_workers <= 0:
+            raise ValueError(f"max_workers must be positive, got {max_workers}")
+        self._max = max_workers
+        self._prefix = thread_name_prefix
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._idle = 0
+        self._guard = threading.Lock()
+        self._stopped = False
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._guard:
+            if self._stopped:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._jobs.put((future, fn, args, kwargs))
+            if self._idle:
+                self._idle -= 1  # an idle worker will take it
+            elif len(self._workers) < self._max:
+                worker = threading.Thread(
+                    target=self._work, name=f"{self._prefix}_{len(self._workers)}", daemon=True
+                )
+                self._workers.append(worker)
+                worker.start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            _run(job)
+            del job  # the job's arguments (buffers) are not kept while idle
+            with self._guard:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._guard:
+            first = not self._stopped
+            self._stopped = True
+            workers = list(self._workers)
+        if cancel_futures:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+        if first:
+            for _ in workers:
+                self._jobs.put(None)
+        if wait:
+            for worker in workers:
+                if worker is not threading.current_thread():
+                    worker.join()

@@ -1,0 +1,199 @@
+"""A crash must end the process. Real processes: a script that raises, or gets Ctrl-C, with a
+blocking facade open (and under the Trainer) exits promptly with its own traceback; a save
+in flight is finished within the grace period, or cancelled (nothing published) and what
+it left is removed by the next start. Closing a backend under load fails the waiting
+requests with a typed error, on both backends."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import aiopersist
+from tests.conftest import URING_OK
+
+ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = [
+    "threads",
+    pytest.param("io_uring", marks=pytest.mark.skipif(not URING_OK, reason="io_uring unavailable")),
+]
+
+
+def _run(code: str, *, grace: float | None = None, timeout: float = 120) -> tuple[int, str, float]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    if grace is not None:
+        env["AIOPERSIST_EXIT_GRACE"] = str(grace)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,  # a hang fails the test (TimeoutExpired) rather than holding CI
+        check=False,
+    )
+    return proc.returncode, proc.stderr, time.monotonic() - start
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if ".aiopersist-tmp-" in n)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_script_that_raises_with_a_checkpointer_open_exits_and_finishes_the_save(
+    tmp_path: Path, backend: str
+) -> None:
+    rc, err, _ = _run(
+        f"""
+        import aiopersist, torch
+        ck = aiopersist.BlockingCheckpointer(backend={backend!r})
+        ck.save({{"w": torch.ones(64 << 20 >> 2)}}, {str(tmp_path / "ckpt")!r})
+        raise RuntimeError("training blew up")
+        """
+    )
+    assert rc == 1, err
+    assert "RuntimeError: training blew up" in err  # the original traceback
+    import asyncio
+
+    asyncio.run(aiopersist.verify(tmp_path / "ckpt"))  # the save in flight was finished
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_with_no_grace_the_save_in_flight_is_cancelled_and_leaves_nothing(
+    tmp_path: Path, backend: str
+) -> None:
+    rc, err, _ = _run(
+        f"""
+        import aiopersist, torch
+        ck = aiopersist.BlockingCheckpointer(backend={backend!r})
+        ck.save({{"w": torch.ones(256 << 20 >> 2)}}, {str(tmp_path / "ckpt")!r})
+        raise RuntimeError("training blew up")
+        """,
+        grace=0,
+    )
+    assert rc == 1, err
+    assert "RuntimeError: training blew up" in err
+    assert not (tmp_path / "ckpt").exists()
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_save_stuck_past_the_grace_is_abandoned_and_the_next_start_cleans_up(tmp_path: Path) -> None:
+    """A save whose ``torch.save`` thread cannot be stopped (held by a Gate for 60 s): the
+    process still exits within the grace plus the cancellation allowance, publishes
+    nothing, and the next manager start removes the temporary directory."""
+    run = tmp_path / "run"
+    rc, err, took = _run(
+        f"""
+        import aiopersist, torch
+        from tests.conftest import Gate
+        gate = Gate()  # holds torch.save of it for up to 30 s
+        ck = aiopersist.BlockingCheckpointer()
+        extra = {{"x.pt": aiopersist.TorchSave(gate)}}
+        ck.save({{"w": torch.ones(8)}}, {str(run / "step-1")!r}, extra_files=extra)
+        gate.entered.wait(20)
+        raise KeyboardInterrupt
+        """,
+        grace=1,
+        timeout=60,
+    )
+    assert rc != 0, err
+    assert "KeyboardInterrupt" in err
+    assert "still in flight after 1 s" in err
+    assert took < 25, took  # 1 s of grace and 5 s for the cancellation, not the gate's 30 s
+    assert not (run / "step-1").exists()
+    assert len(_leftovers(run)) == 1
+    with aiopersist.BlockingCheckpointManager(run) as mgr:
+        assert mgr.steps() == []
+    assert _leftovers(run) == []
+
+
+def test_ctrl_c_with_a_manager_open_exits_and_keeps_every_committed_step(tmp_path: Path) -> None:
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    rc, err, _ = _run(
+        f"""
+        import os, signal, time, aiopersist, torch
+        mgr = aiopersist.BlockingCheckpointManager({str(run)!r}, keep_last=2, mirror={str(mirror)!r})
+        for step in range(3):
+            mgr.save(step, {{"w": torch.full((1 << 20,), float(step))}}).wait_staged()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(60)
+        """
+    )
+    assert rc == -2 or "KeyboardInterrupt" in err, (rc, err)
+    with aiopersist.BlockingCheckpointManager(run, mirror=mirror) as mgr:
+        assert mgr.latest() == 2
+        assert float(mgr.restore()["w"][0]) == 2.0
+    assert _leftovers(run) == []
+
+
+def test_a_crash_under_the_trainer_exits_with_the_traceback(tmp_path: Path) -> None:
+    """Training raises while the callback's save of step 2 is in flight: the process ends
+    with the Trainer's traceback, and the checkpoint of step 2 is whole."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "run"
+    rc, err, _ = _run(
+        f"""
+        import transformers
+        from pathlib import Path
+        from aiopersist.integrations.transformers import AioPersistCallback
+        from tests.test_hf_trainer import _trainer
+
+        class Boom(transformers.TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                if state.global_step == 3:
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        _trainer(Path({str(out)!r}), [AioPersistCallback(), Boom()], max_steps=8, save_steps=2).train()
+        """
+    )
+    assert rc == 1, err
+    assert "RuntimeError: CUDA error: an illegal memory access" in err
+    assert "trainer.py" in err  # the Trainer's own frames: the original traceback
+    import asyncio
+
+    asyncio.run(aiopersist.verify(out / "checkpoint-2"))
+    assert _leftovers(out) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_closing_a_backend_under_load_fails_the_waiters_with_a_typed_error(backend: str) -> None:
+    """64 writes on a queue of 2, closed at once: the two in flight complete, the 62 that
+    wait fail with ClosedError, nothing is submitted on a closed ring (it used to segfault
+    or hang), and later calls fail the same way."""
+    rc, err, _ = _run(
+        f"""
+        import asyncio, os, tempfile, aiopersist
+
+        async def main():
+            be = aiopersist.create_backend({backend!r}, queue_depth=2)
+            path = os.path.join(tempfile.mkdtemp(), "f")
+            fd = await be.open(path, os.O_WRONLY | os.O_CREAT)
+            tasks = [asyncio.ensure_future(be.write(fd, bytearray(1 << 20), i << 20)) for i in range(64)]
+            await asyncio.sleep(0)
+            closing = asyncio.ensure_future(be.aclose())
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            await closing
+            done = sum(1 for r in results if r == 1 << 20)
+            closed = sum(1 for r in results if isinstance(r, aiopersist.ClosedError))
+            assert done + closed == 64, results
+            assert closed >= 60, (done, closed)
+            try:
+                await be.read(fd, bytearray(10), 0)
+            except aiopersist.ClosedError as exc:
+                print("after close:", exc)
+            os.close(fd)
+            print("resolved", done, closed)
+
+        asyncio.run(main())
+        """,
+        timeout=60,
+    )
+    assert rc == 0, err
