@@ -32,6 +32,7 @@ from ._exceptions import (
     CheckpointCorruptError,
     StateMismatchError,
     UnsupportedStateError,
+    maps_os_errors,
 )
 from ._flatten import Flattened, StoredTensor, build_view, flatten
 from ._format import FileLayout, header_length, layout_file, parse_header
@@ -153,18 +154,25 @@ class _TorchSaveSink:
         self._loop = loop
         self._pos = 0
         self._stopped = False
+        self.error: BaseException | None = None
+        """The first error a ``write`` raised (torch.save reports it as its own error)."""
 
     def stop(self) -> None:
         """Make every later ``write`` raise, so that ``torch.save`` ends early."""
         self._stopped = True
 
     def write(self, data: Any) -> int:
-        if self._stopped:
-            raise OSError(errno.ECANCELED, "the save was stopped")
-        with memoryview(data) as view:
-            n = view.nbytes
-            if n:
-                asyncio.run_coroutine_threadsafe(self._writer.write(view), self._loop).result()
+        try:
+            if self._stopped:
+                raise OSError(errno.ECANCELED, "the save was stopped")
+            with memoryview(data) as view:
+                n = view.nbytes
+                if n:
+                    asyncio.run_coroutine_threadsafe(self._writer.write(view), self._loop).result()
+        except BaseException as exc:
+            if self.error is None:
+                self.error = exc
+            raise
         self._pos += n
         return n
 
@@ -178,9 +186,27 @@ class _TorchSaveSink:
         return True
 
 
-def _torch_save_when_ready(obj: object, sink: _TorchSaveSink) -> None:
+def torch_save_to(obj: object, sink: Any, name: str, written: BaseException | None = None) -> None:
+    """``torch.save(obj, sink)`` for the extra file ``name``, with typed errors: what made a
+    ``write`` fail (a full disk; given as ``written``, or the sink's own ``error``) rather
+    than torch's wrapper of it, and `UnsupportedStateError` for what torch cannot
+    serialize (unpicklable objects, absurd nesting)."""
+    try:
+        torch.save(obj, sink)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        cause = written if written is not None else getattr(sink, "error", None)
+        if cause is not None:
+            raise cause from None
+        raise UnsupportedStateError(
+            f"extra_files[{name!r}]: torch.save failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _torch_save_when_ready(obj: object, sink: _TorchSaveSink, name: str) -> None:
     with cuda_ready_streams():  # torch.save copies CUDA tensors on this thread's streams
-        torch.save(obj, cast(Any, sink))
+        torch_save_to(obj, sink, name)
 
 
 async def write_torch_save(
@@ -196,7 +222,8 @@ async def write_torch_save(
     loop = asyncio.get_running_loop()
     async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
         sink = _TorchSaveSink(writer, loop)
-        thread = asyncio.ensure_future(asyncio.to_thread(_torch_save_when_ready, obj, sink))
+        name = os.path.basename(path)
+        thread = asyncio.ensure_future(asyncio.to_thread(_torch_save_when_ready, obj, sink, name))
         try:
             await asyncio.shield(thread)
         except asyncio.CancelledError:
@@ -248,6 +275,7 @@ async def write_file(
     return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())
 
 
+@maps_os_errors("save")
 async def save(
     obj: object,
     path: PathArg,
@@ -361,7 +389,7 @@ async def write_checkpoint(
     ``extra_files`` are written beside the data, checksummed and listed in the manifest."""
     start = time.perf_counter()
     sources = {s.name: s.source for s in flat.stored}
-    pickled = pickle.dumps(flat.pickled, protocol=pickle.HIGHEST_PROTOCOL) if flat.pickled else None
+    pickled = await asyncio.to_thread(pickle_objects, flat) if flat.pickled else None
     additions = dict(extra_files or {})
     reserved = {pf.name for pf in planned} | {PICKLE_FILE, MANIFEST_NAME, MODEL_INDEX}
     for name in additions:
@@ -778,10 +806,42 @@ async def _load_manifest(
     heads = await run_all(reads)
     pickled = None
     if manifest.pickle_file is not None and allow_pickle:
-        pickled = pickle.loads(heads[-1].numpy().tobytes())
-        if not isinstance(pickled, list):
-            raise CheckpointCorruptError(f"{loc.directory}: the pickle file does not hold a list")
+        pickled = await asyncio.to_thread(_unpickle, heads[-1], loc.directory)
     return _rebuild(state, {k: v for k, v in stored.items() if k in needed}, pickled)
+
+
+def _unpickle(raw: torch.Tensor, where: str) -> list[object]:
+    try:
+        pickled = pickle.loads(raw.numpy().tobytes())
+    except MemoryError:
+        raise
+    except Exception as exc:  # it passed its checksum: what it names is missing here
+        raise UnsupportedStateError(
+            f"{where}: the pickled objects cannot be unpickled here ({type(exc).__name__}: {exc})"
+        ) from exc
+    if not isinstance(pickled, list):
+        raise CheckpointCorruptError(f"{where}: the pickle file does not hold a list")
+    return pickled
+
+
+def pickle_objects(flat: Flattened) -> bytes:
+    """The bytes of the pickle file; `UnsupportedStateError` naming the path of the first
+    object that cannot be pickled."""
+    try:
+        return pickle.dumps(flat.pickled, protocol=pickle.HIGHEST_PROTOCOL)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        for obj, where in zip(flat.pickled, flat.pickled_paths, strict=True):
+            try:
+                pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as one:
+                raise UnsupportedStateError(
+                    f"{where}: cannot be pickled ({type(one).__name__}: {one})"
+                ) from one
+        raise UnsupportedStateError(
+            f"the pickled objects cannot be pickled together ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 async def _read_header(be: IOBackend, path: str, size: int) -> FileLayout:
@@ -870,6 +930,7 @@ def _to_device(obj: Any, device: torch.device, memo: dict[int, torch.Tensor]) ->
     return obj
 
 
+@maps_os_errors("load")
 async def load(
     path: PathArg,
     *,
@@ -992,6 +1053,7 @@ def _spans_by_file(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
     return {name: sorted(found) for name, found in spans.items()}
 
 
+@maps_os_errors("verify")
 async def verify(path: PathArg, *, backend: str = "auto") -> VerifyReport:
     """Check a checkpoint without building it: the manifest, every file's size and
     checksum (streamed: memory stays within the staging pool). Hugging Face directories

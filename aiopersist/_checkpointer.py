@@ -38,16 +38,18 @@ from ._api import (
     TorchSave,
     plan_files,
     plan_signature,
+    torch_save_to,
     write_checkpoint,
 )
 from ._backends import IOBackend, create_backend
 from ._commit import remove_path
 from ._direct import AlignedBuffer, copy_bytes
 from ._dist import Coordinator, coordinator
-from ._exceptions import AiopersistError, ClosedError
+from ._exceptions import AiopersistError, ClosedError, from_os_error, maps_os_errors
 from ._flatten import Flattened, StoredTensor, flatten
 from ._locate import PathArg, checkpoint_paths
 from ._parallel import save_spread
+from ._skeleton import MAX_CONTAINER_DEPTH
 from ._staging import StagingPool
 from ._stream import CudaReady, cuda_ready_streams, record_cuda_ready, settle, use_cuda_ready
 
@@ -164,6 +166,7 @@ class Checkpointer:
 
     # -- the API ---------------------------------------------------------------------------
 
+    @maps_os_errors("Checkpointer.save")
     async def save(
         self,
         state: object,
@@ -278,6 +281,7 @@ class Checkpointer:
         if self._deletions:  # those the saves above scheduled as they ended, and older ones
             await asyncio.wait(list(self._deletions))
 
+    @maps_os_errors("Checkpointer.aclose")
     async def aclose(self) -> None:
         """Let the saves in flight finish, then release the ring, the pool and the snapshot.
 
@@ -394,6 +398,9 @@ class Checkpointer:
                 )
         except BaseException as exc:
             error: BaseException | None = exc
+            if isinstance(exc, OSError) and not isinstance(exc, AiopersistError):
+                error = from_os_error(exc, "save")  # the handle's error is typed, like save()'s
+                error.__cause__ = exc
         else:
             error = None
         finally:
@@ -488,7 +495,7 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 
 def _rebuildable(
-    obj: object, found: dict[int, torch.Tensor] | None = None, seen: set[int] | None = None
+    obj: object, found: dict[int, torch.Tensor] | None = None, seen: set[int] | None = None, depth: int = 0
 ) -> bool:
     """Whether `_with_copies` can rebuild ``obj`` with copies of all its tensors: a tree
     (no container reached twice) of dicts, lists, tuples and namedtuples, keyed by plain
@@ -506,14 +513,14 @@ def _rebuildable(
             and not obj.is_quantized
         )
     seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return False  # shared or cyclic: a rebuild would split or never end
+    if id(obj) in seen or depth >= MAX_CONTAINER_DEPTH:
+        return False  # shared or cyclic (a rebuild would split or never end), or absurdly deep
     seen.add(id(obj))
     if type(obj) in (dict, collections.OrderedDict, collections.defaultdict):
         items = cast(dict[object, object], obj).items()
-        return all(isinstance(k, _PLAIN) and _rebuildable(v, found, seen) for k, v in items)
+        return all(isinstance(k, _PLAIN) and _rebuildable(v, found, seen, depth + 1) for k, v in items)
     if type(obj) in (list, tuple) or (isinstance(obj, tuple) and _is_namedtuple(type(obj))):
-        return all(_rebuildable(v, found, seen) for v in cast(Sequence[object], obj))
+        return all(_rebuildable(v, found, seen, depth + 1) for v in cast(Sequence[object], obj))
     return False
 
 
@@ -560,6 +567,11 @@ class _BoundedSink(io.BytesIO):
         self._name = name
         self._limit = limit  # what the tensors and the other whole ones left of ``budget``
         self._budget = budget
+
+    @property
+    def error(self) -> SnapshotBudgetError | None:
+        """Why a write failed, for `torch_save_to`."""
+        return self.over
 
     def write(self, data: Any, /) -> int:
         with memoryview(data) as view:
@@ -631,12 +643,7 @@ async def _take_snapshot(
             remaining = left
             for name, obj in whole.items():
                 sinks[name] = sink = _BoundedSink(name, remaining, budget)
-                try:
-                    torch.save(obj, cast(Any, sink))
-                except Exception:
-                    if sink.over is not None:
-                        raise sink.over from None
-                    raise
+                torch_save_to(obj, sink, name)
                 remaining -= sink.tell()
 
     thread = asyncio.ensure_future(asyncio.to_thread(copy_and_serialize))
@@ -657,7 +664,15 @@ async def _take_snapshot(
             for name, c in extra_files.items()
         }
     return (
-        Flattened(flat.skeleton, stored, flat.aliases, flat.views, flat.pickled, model_only=flat.model_only),
+        Flattened(
+            flat.skeleton,
+            stored,
+            flat.aliases,
+            flat.views,
+            flat.pickled,
+            flat.pickled_paths,
+            model_only=flat.model_only,
+        ),
         extra_files,
     )
 

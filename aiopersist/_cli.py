@@ -15,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+import unicodedata
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from ._exceptions import (
     CheckpointNotFoundError,
     DirectoryInUseError,
     UnsupportedStateError,
+    maps_os_errors,
 )
 
 
@@ -242,6 +244,7 @@ def _bench_raw(args: argparse.Namespace) -> int:
 # -- inspect --------------------------------------------------------------------------------
 
 
+@maps_os_errors("inspect")
 def describe(path: str | os.PathLike[str], *, backend: str = "auto") -> dict[str, Any]:
     """What ``aiopersist inspect --json`` prints about the checkpoint at ``path``.
 
@@ -441,8 +444,42 @@ def _plural(n: int, word: str, plural: str | None = None) -> str:
     return f"{n} {word if n == 1 else plural or word + 's'}"
 
 
+_UNPRINTABLE = ("Cc", "Cf", "Cs", "Zl", "Zp")
+_SHORT_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: control and format characters (escape
+    sequences, carriage returns, bidirectional overrides, ...) and backslashes written as
+    Python escapes. Names in a checkpoint are whatever its writer chose."""
+    out = []
+    for ch in text:
+        if ch in _SHORT_ESCAPES:
+            out.append(_SHORT_ESCAPES[ch])
+        elif unicodedata.category(ch) in _UNPRINTABLE:
+            code = ord(ch)
+            out.append(
+                f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+            )
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _escaped(node: Any) -> Any:
+    if isinstance(node, str):
+        return printable(node)
+    if isinstance(node, Mapping):
+        return {printable(str(k)): _escaped(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_escaped(v) for v in node]
+    return node
+
+
 def format_description(doc: Mapping[str, Any]) -> str:
-    """The text ``aiopersist inspect`` prints for a `describe` document."""
+    """The text ``aiopersist inspect`` prints for a `describe` document (every name from
+    the checkpoint escaped: see `printable`)."""
+    doc = _escaped(doc)
     head: list[tuple[str, str]] = [
         ("path", doc["path"]),
         ("kind", doc["kind"]),
@@ -516,10 +553,10 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         report = asyncio.run(verify(args.path, backend=args.backend))
     except CheckpointNotFoundError as exc:
-        print(f"not found: {exc}")
+        print(f"not found: {printable(str(exc))}")
         return 1
     except CheckpointCorruptError as exc:
-        print(f"corrupt: {exc}")
+        print(f"corrupt: {printable(str(exc))}")
         return 1
     kind = report.kind
     line = f"ok: {kind}, {_plural(len(report.files), 'file')}, {report.bytes_checked} bytes checked"
@@ -562,7 +599,7 @@ def _ls(args: argparse.Namespace) -> int:
             s.tier,
             "yes" if s.complete else "NO",
             _human(s.nbytes) if s.complete else "-",
-            s.problem or "",
+            printable(s.problem or ""),
         ]
         for s in found
     ]
@@ -883,7 +920,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (AiopersistError, OSError, ValueError, RuntimeError) as exc:
-        print(f"aiopersist: error: {exc}", file=sys.stderr)
+        print(f"aiopersist: error: {printable(str(exc))}", file=sys.stderr)
         return 1
 
 

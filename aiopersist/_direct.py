@@ -262,10 +262,16 @@ class AlignedBuffer:
             )
 
     def close(self) -> None:
-        """Unmap. Raises ``BufferError`` while anything (a request in flight) still uses it."""
+        """Unmap now, or, while something still holds a view of the memory (a request in
+        flight keeps one; so does a traceback that keeps a failed request's frame alive),
+        as soon as the last view goes: never under a user of it, and never with an error
+        that would hide the one being handled (a close runs in ``finally`` blocks)."""
         self._tensor = None
-        self.view.release()
-        self._map.close()
+        try:
+            self.view.release()
+            self._map.close()
+        except BufferError:
+            pass  # exported: the mapping is unmapped by its destructor after the last export
 
     def __len__(self) -> int:
         return self.size

@@ -17,13 +17,20 @@ Every error has one root, so ``except aiopersist.AiopersistError`` catches them 
                                               (defined in _checkpointer)
 
 Lower-level errors (``OSError`` from the system, errno codes returned by io_uring) are
-mapped to these in one place, `io_error`, and re-raised ``from`` the original.
+mapped to these in one place: `io_error` and `from_os_error` build the typed error, and
+every public entry point runs under `maps_os_errors`, so an ``OSError`` from anywhere
+below comes out as a `CheckpointIOError` (errno kept), raised ``from`` the original.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno as _errno
+import functools
+import inspect
 import os
+from collections.abc import Awaitable, Callable, Iterator
+from typing import ParamSpec, TypeVar, cast
 
 
 class AiopersistError(Exception):
@@ -133,6 +140,46 @@ def from_os_error(
         return exc
     err = exc.errno if exc.errno is not None else _errno.EIO
     return io_error(err, call, filename if filename is not None else exc.filename)
+
+
+@contextlib.contextmanager
+def mapped_os_errors(call: str) -> Iterator[None]:
+    """Turn an ``OSError`` that is not aiopersist's own into a `CheckpointIOError` naming
+    ``call`` (the operation), raised ``from`` it; aiopersist's errors pass unchanged."""
+    try:
+        yield
+    except AiopersistError:
+        raise
+    except OSError as exc:
+        raise from_os_error(exc, call) from exc
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def maps_os_errors(call: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate a public entry point (a function or a coroutine function) so that no bare
+    ``OSError`` leaves it: see `mapped_os_errors`."""
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def run_async(*args: P.args, **kwargs: P.kwargs) -> object:
+                with mapped_os_errors(call):
+                    return await cast(Callable[P, Awaitable[object]], fn)(*args, **kwargs)
+
+            return cast(Callable[P, R], run_async)
+
+        @functools.wraps(fn)
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
+            with mapped_os_errors(call):
+                return fn(*args, **kwargs)
+
+        return run
+
+    return decorate
 
 
 class DirectoryInUseError(AiopersistError):

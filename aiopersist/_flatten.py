@@ -70,6 +70,8 @@ class Flattened:
     """name -> name of the stored tensor it is identical to."""
     views: dict[str, ViewSpec] = field(default_factory=dict)
     pickled: list[object] = field(default_factory=list)
+    pickled_paths: list[str] = field(default_factory=list)
+    """Where each pickled object is in the saved object (for errors)."""
     model_only: bool = False
     """The object was a module or a flat mapping of names to tensors: a model's weights."""
     replicated: set[str] = field(default_factory=set)
@@ -105,6 +107,7 @@ class _Walker:
         self.tensors: list[tuple[str, torch.Tensor]] = []  # (name, tensor) in walk order
         self.names: set[str] = set()
         self.pickled: list[object] = []
+        self.pickled_paths: list[str] = []
         self.active: set[int] = set()
         self.replicated: set[str] = set()
         self.sharded: dict[str, tuple[tuple[int, ...], int]] = {}
@@ -226,6 +229,7 @@ class _Walker:
         if not self.allow_pickle:
             raise UnsupportedStateError(f"{where}: {why}; pass allow_pickle=True to store it with pickle")
         self.pickled.append(obj)
+        self.pickled_paths.append(where)
         return {"__pickle__": len(self.pickled) - 1}
 
 
@@ -333,6 +337,7 @@ def flatten(obj: object, *, allow_pickle: bool = False) -> Flattened:
     flat = Flattened(
         skeleton,
         pickled=walker.pickled,
+        pickled_paths=walker.pickled_paths,
         model_only=model_only,
         replicated=walker.replicated,
         sharded=walker.sharded,

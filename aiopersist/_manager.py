@@ -66,6 +66,8 @@ from ._exceptions import (
     ClosedError,
     DirectoryInUseError,
     from_os_error,
+    mapped_os_errors,
+    maps_os_errors,
 )
 from ._locate import READ_FLAGS, PathArg, checkpoint_paths, file_problem, locate, read_manifest
 from ._manifest import MANIFEST_NAME, PART_RE, dump_manifest
@@ -446,6 +448,7 @@ class CheckpointManager:
     a new `Checkpointer` with ``backend`` and ``mode``, closed by `aclose`).
     """
 
+    @maps_os_errors("CheckpointManager")
     def __init__(
         self,
         directory: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
@@ -537,6 +540,7 @@ class CheckpointManager:
 
     # -- what there is ------------------------------------------------------------------
 
+    @maps_os_errors("CheckpointManager.scan")
     def scan(self) -> list[StepInfo]:
         """Every ``step-N`` in both tiers, complete or not (local first within a step)."""
         found = scan(self.directories, "local")
@@ -547,10 +551,12 @@ class CheckpointManager:
                 log.warning("aiopersist: the mirror %s cannot be read: %s", self.mirror, exc)
         return sorted(found, key=lambda s: (s.step, s.tier != "local"))
 
+    @maps_os_errors("CheckpointManager.steps")
     def steps(self) -> list[int]:
         """The complete steps, in either tier, oldest first."""
         return sorted({s.step for s in self.scan() if s.complete})
 
+    @maps_os_errors("CheckpointManager.latest")
     def latest(self) -> int | None:
         """The newest complete step, or ``None``."""
         steps = self.steps()
@@ -558,6 +564,7 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------
 
+    @maps_os_errors("CheckpointManager.save")
     async def save(
         self,
         step: int,
@@ -600,6 +607,10 @@ class CheckpointManager:
         return managed
 
     async def _after(self, managed: ManagedSaveHandle) -> None:
+        with mapped_os_errors("CheckpointManager (retention and mirror)"):
+            await self._after_commit(managed)
+
+    async def _after_commit(self, managed: ManagedSaveHandle) -> None:
         mirrored = managed.mirrored
         try:
             try:
@@ -671,6 +682,7 @@ class CheckpointManager:
 
     # -- restoring ----------------------------------------------------------------------
 
+    @maps_os_errors("CheckpointManager.path_of")
     def path_of(self, step: int | None = None) -> str:
         """Where the complete ``step`` (the newest by default) is: the local tier when it
         has it, else the mirror. Raises `CheckpointNotFoundError`."""
@@ -688,6 +700,7 @@ class CheckpointManager:
             return [info.path]
         return step_paths(self.directories, os.path.basename(info.path))
 
+    @maps_os_errors("CheckpointManager.restore")
     async def restore(self, step: int | None = None, *, into: object = None, **kwargs: Any) -> Any:
         """Load the newest step that loads and checks out (or ``step``), from either tier,
         local first; arguments as for `aiopersist.load`. Retention does not delete a step
@@ -738,12 +751,14 @@ class CheckpointManager:
 
     # -- the end ------------------------------------------------------------------------
 
+    @maps_os_errors("CheckpointManager.wait")
     async def wait(self) -> None:
         """Wait for the saves in flight, their retention and their mirroring."""
         await self.checkpointer.wait()
         while self._tasks:
             await asyncio.wait(list(self._tasks))
 
+    @maps_os_errors("CheckpointManager.aclose")
     async def aclose(self) -> None:
         """Finish what is in flight (saves, retention, mirror), then release the
         checkpointer if the manager made it."""
@@ -790,5 +805,9 @@ def _fail_quietly(fut: asyncio.Future[Any], exc: BaseException) -> None:
     if isinstance(exc, asyncio.CancelledError):
         fut.cancel()
         return
+    if isinstance(exc, OSError) and not isinstance(exc, AiopersistError):
+        typed = from_os_error(exc, "CheckpointManager (retention and mirror)")
+        typed.__cause__ = exc
+        exc = typed
     fut.set_exception(exc)
     fut.exception()  # the error is on the handle for whoever asks; asyncio need not log it
