@@ -572,7 +572,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _ls(args: argparse.Namespace) -> int:
     from ._manager import scan
 
-    found = scan(os.path.abspath(args.dir), "local")
+    found = scan([os.path.abspath(d) for d in args.dir], "local")
     if args.mirror:
         found += scan(os.path.abspath(args.mirror), "mirror")
     found.sort(key=lambda s: (s.step, s.tier != "local"))
@@ -591,7 +591,7 @@ def _ls(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return 0
     if not found:
-        print(f"no step-N checkpoints in {args.dir}" + (f" or {args.mirror}" if args.mirror else ""))
+        print(f"no step-N checkpoints in {args.dir[0]}" + (f" or {args.mirror}" if args.mirror else ""))
         return 0
     rows = [
         [
@@ -610,26 +610,31 @@ def _ls(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     from ._manager import DirectoryLock
 
-    directory = os.path.abspath(args.dir)
-    if not (args.apply and os.path.isdir(directory)):
-        return _gc_locked(args, directory)
+    directories = [os.path.abspath(d) for d in args.dir]
+    if not (args.apply and os.path.isdir(directories[0])):
+        return _gc_locked(args, directories)
+    locks = []
     try:
         # A running manager could be writing or mirroring what this would delete.
-        lock = DirectoryLock(directory)
+        for d in directories:
+            if os.path.isdir(d):
+                locks.append(DirectoryLock(d))
+        return _gc_locked(args, directories)
     except DirectoryInUseError as exc:
         print(f"aiopersist gc: {exc}", file=sys.stderr)
         return 1
-    try:
-        return _gc_locked(args, directory)
     finally:
-        lock.release()
+        for lock in locks:
+            lock.release()
 
 
-def _gc_locked(args: argparse.Namespace, directory: str) -> int:
+def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
     from ._commit import OLD_MARKER, TMP_MARKER
-    from ._manager import TRASH_MARKER, clean_leftovers, delete_step, scan, to_delete
+    from ._locate import read_manifest
+    from ._manager import TRASH_MARKER, clean_leftovers, delete_step, scan, step_paths, to_delete
 
-    complete = [s for s in scan(directory) if s.complete]
+    directory = directories[0]
+    complete = [s for s in scan(directories) if s.complete]
     doomed = to_delete([s.step for s in complete], args.keep_last, args.keep_every)
     leftovers = []
     if args.leftovers and os.path.isdir(directory):
@@ -654,9 +659,16 @@ def _gc_locked(args: argparse.Namespace, directory: str) -> int:
             print("dry run: pass --apply to delete")
         return 0
     for step in doomed:
-        delete_step(os.path.join(directory, f"step-{step}"))
+        paths = step_paths(directories, f"step-{step}")
+        parts = len(read_manifest(paths[0]).directories) - 1
+        if parts > len(directories) - 1:
+            print(
+                f"note: step-{step} has parts on {parts} other disks; they stay until a manager "
+                "with all its directories starts, or `gc` is given them"
+            )
+        delete_step(paths)
     if args.leftovers:
-        clean_leftovers([directory])
+        clean_leftovers(directories)
     return 0
 
 
@@ -883,13 +895,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify.set_defaults(func=_verify)
 
     ls = sub.add_parser("ls", help="the step-N checkpoints of a CheckpointManager directory")
-    ls.add_argument("dir", help="the manager's directory")
+    ls.add_argument("dir", nargs="+", help="the manager's directory (its other disks' after it)")
     ls.add_argument("--mirror", help="its mirror too")
     ls.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     ls.set_defaults(func=_ls)
 
     gc = sub.add_parser("gc", help="apply retention to a CheckpointManager directory (dry run by default)")
-    gc.add_argument("dir", help="the manager's directory")
+    gc.add_argument("dir", nargs="+", help="the manager's directory (its other disks' after it)")
     gc.add_argument("--keep-last", type=int, required=True, help="keep the newest N complete steps")
     gc.add_argument("--keep-every", type=int, help="and every step divisible by K")
     gc.add_argument(

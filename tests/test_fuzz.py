@@ -197,6 +197,8 @@ def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]
 def _mutate(doc: Any, data: st.DataObject) -> Any:
     paths = [p for p in _paths(doc) if p]
     for _ in range(data.draw(st.integers(min_value=1, max_value=3))):
+        if not paths:  # everything deleted already
+            break
         path = data.draw(st.sampled_from(paths))
         parent = doc
         for key in path[:-1]:

@@ -493,3 +493,24 @@ async def test_cancelling_a_save_at_any_await_leaves_nothing(backend_name: str, 
             parts = [p for p in target[1:] if p.exists() for p in p.iterdir()]
             if not (target[0] / "aiopersist.json").exists():
                 assert not parts, (ticks, parts)
+
+
+async def test_gc_over_two_disks_removes_the_parts_by_token(
+    backend_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from aiopersist._cli import main
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    async with aiopersist.CheckpointManager([a, b], backend=backend_name) as mgr:
+        for step in (1, 2, 3):
+            state = {"step": step, "w": torch.ones(256, 256), "v": torch.ones(256, 256)}
+            await (await mgr.save(step, state)).done
+    assert main(["ls", str(a), str(b)]) == 0
+    assert main(["gc", str(a), "--keep-last", "2", "--apply"]) == 0  # the first directory alone
+    assert "step-1 has parts on 1 other disks; they stay" in capsys.readouterr().out
+    assert list((b / "step-1").glob("part-*"))
+    assert main(["gc", str(a), str(b), "--keep-last", "1", "--apply", "--leftovers"]) == 0
+    assert sorted(p.name for p in a.iterdir() if p.name.startswith("step-")) == ["step-3"]
+    assert sorted(p.name for p in b.iterdir() if p.name.startswith("step-")) == ["step-3"]
+    async with aiopersist.CheckpointManager([a, b], backend=backend_name) as mgr:
+        assert (await mgr.restore())["step"] == 3
