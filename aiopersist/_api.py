@@ -24,7 +24,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from . import _knobs
-from ._backends import IOBackend, open_backend
+from ._backends import IOBackend, open_backend, to_thread_to_the_end
 from ._commit import atomic_directory, remove_path
 from ._direct import AlignedBuffer, DirectIOInfo, empty_for_direct_read, probe_directory
 from ._exceptions import (
@@ -398,7 +398,7 @@ async def write_checkpoint(
             raise ValueError(f"extra_files: {name!r} is a name the checkpoint itself uses")
     one_written = countdown(len(planned) + (pickled is not None) + len(additions), staged)
     async with atomic_directory(path, overwrite=overwrite, discard=discard or remove_path) as pending:
-        dio = await asyncio.to_thread(probe_directory, pending.tmp)
+        dio = await to_thread_to_the_end(probe_directory, pending.tmp)  # its scratch file is in tmp
         jobs = [
             write_file(
                 be,
@@ -1025,7 +1025,7 @@ async def _hash_file(be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingP
                     if got < want:
                         raise CheckpointCorruptError(f"{path}: short read at {pos} (file shrank?)")
                     with buf.view[:want] as part:
-                        await asyncio.to_thread(hasher.update, part)
+                        await to_thread_to_the_end(hasher.update, part)  # reads the pool's buffer
                 finally:
                     pool.release(buf)
                 pos += window

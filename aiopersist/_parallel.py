@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ._api import SaveInfo, countdown, write_file
-from ._backends import IOBackend, wait_uncancellable
+from ._backends import IOBackend, to_thread_to_the_end, wait_uncancellable
 from ._commit import TMP_MARKER, fsync_directory, make_directories, publish, remove_path
 from ._direct import probe_directory
 from ._dist import Coordinator
@@ -450,7 +450,7 @@ async def save_spread(
         # Once the primary is renamed into place the checkpoint is complete: its parts stay,
         # even if a rank then fails to hear about it.
         if rank == 0 and not committed:
-            await asyncio.to_thread(_abort, final, token, paths)
+            await to_thread_to_the_end(_abort, final, token, paths)
         raise
     if rank == 0 and old_parts:
         # The replaced checkpoint's parts go after it (its primary went at the rename).
@@ -494,9 +494,9 @@ async def _write_mine(
                     if f.directory == 0
                     else _part_dir(paths[f.directory], token)
                 )
-                await asyncio.to_thread(make_directories, d)
+                await to_thread_to_the_end(make_directories, d)  # the abort must come after
                 dirs[f.directory] = d
-        probes = {i: await asyncio.to_thread(probe_directory, d) for i, d in dirs.items()}
+        probes = {i: await to_thread_to_the_end(probe_directory, d) for i, d in dirs.items()}
 
         def data(part: PartPlan) -> torch.Tensor:
             src = sources[part.source]
@@ -589,7 +589,7 @@ async def _commit(
         directories=directories,
         ranks=ranks,
     )
-    dio = await asyncio.to_thread(probe_directory, tmp)
+    dio = await to_thread_to_the_end(probe_directory, tmp)
     await write_file(be, os.path.join(tmp, MANIFEST_NAME), dio, pool, [dump_manifest(manifest)])
 
     def durable_and_published() -> None:

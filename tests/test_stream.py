@@ -272,12 +272,14 @@ async def test_a_failing_file_stops_the_others_before_the_save_raises(
     backend_name: str, tmp_path: Path
 ) -> None:
     """One file of a save fails (its torch.save raises) while a large tensor file is still
-    being written: the save raises that error, as itself, once nothing of it is running,
-    and leaves nothing behind."""
+    being written: the save raises that error (typed, naming the file, chained to torch's),
+    once nothing of it is running, and leaves nothing behind."""
     state = {"big": _bytes(64 << 20)}
     extra = {"bad.pt": aiopersist.TorchSave({"x": _Unpicklable()})}
     with _loop_errors() as unhandled:
-        with pytest.raises(RuntimeError, match="refuses to be pickled"):
+        with pytest.raises(
+            aiopersist.UnsupportedStateError, match=r"extra_files\['bad\.pt'\].*refuses to be pickled"
+        ):
             await aiopersist.save(state, tmp_path / "ck", extra_files=extra, backend=backend_name)
         assert not _others()
     assert unhandled == []

@@ -13,7 +13,7 @@ from typing import Literal
 
 from .. import _knobs, _native
 from .._exceptions import BackendUnavailableError, CheckpointIOError
-from ._base import IOBackend, wait_uncancellable
+from ._base import IOBackend, to_thread_to_the_end, wait_uncancellable
 from ._threads import ThreadsBackend
 
 log = logging.getLogger("aiopersist")
@@ -178,5 +178,6 @@ __all__ = [
     "open_backend",
     "probe_io_uring",
     "resolve_backend_name",
+    "to_thread_to_the_end",
     "wait_uncancellable",
 ]
