@@ -1,6 +1,7 @@
 """A script for ``accelerate launch``: prepares a model and optimizer with an
-``Accelerator`` on CPU (DDP over gloo), saves them with aiopersist over two directories,
-and prints one JSON line per rank."""
+``Accelerator`` on CPU (DDP over gloo), saves them with aiopersist over two directories
+(or, with ``save-state``, with aiopersist's ``save_state`` and a save pre-hook that
+writes a file naming its rank), and prints one JSON line per rank."""
 
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ def save_state_and_restore(base: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = accelerator.prepare(model, opt)
+    hooked: list[str] = []
+
+    def save_hook(
+        models: list[torch.nn.Module], weights: list[dict[str, torch.Tensor]], output_dir: str
+    ) -> None:
+        hooked.append(output_dir)
+        with open(os.path.join(output_dir, "hook.json"), "w") as f:
+            json.dump({"rank": accelerator.process_index}, f)
+
+    accelerator.register_save_state_pre_hook(save_hook)
 
     def step() -> None:
         accelerator.backward(model(torch.randn(4, 32)).pow(2).mean())
@@ -48,7 +59,7 @@ def save_state_and_restore(base: str) -> None:
     accelerator.load_state(os.path.join(base, "ck"))
     restored = all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
     restored = restored and torch.equal(torch.get_rng_state(), rng)
-    line = {"rank": accelerator.process_index, "restored": bool(restored)}
+    line = {"rank": accelerator.process_index, "restored": bool(restored), "hooked": len(hooked)}
     sys.stdout.write(json.dumps(line) + "\n")
     sys.stdout.flush()
     accelerator.wait_for_everyone()

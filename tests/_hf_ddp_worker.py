@@ -4,10 +4,13 @@ trained by a Hugging Face Trainer under DDP over gloo on CPU.
 ``python -m tests._hf_ddp_worker OUT MODE [BACKEND]`` with MODE ``stock`` (no
 checkpoints), ``callback`` (AioPersistCallback saves every 2 steps), ``model-only`` (the
 same with ``save_only_model``), ``resume`` (a stock Trainer resumes from
-``OUT/callback/checkpoint-4``) or ``each-node``
-(``save_on_each_node``, which the callback refuses). Process 0 writes the final
-weights to ``OUT/MODE.pt``; process ``i`` writes its report to ``OUT/MODE-i.json`` (a
-file, not a line on the stdout both processes share with the Trainer's own prints)."""
+``OUT/callback/checkpoint-4``), ``each-node`` (``save_on_each_node``, which the
+callback refuses) or ``best`` (evaluation every 2 steps, the first checkpoint the best,
+``save_total_limit=1`` and ``load_best_model_at_end``: a stock run, reported as
+``best-stock``, then one with the callback, in the same processes to save a launch).
+Process 0 writes the final weights to ``OUT/MODE.pt``; process ``i`` writes its report to
+``OUT/MODE-i.json`` (a file, not a line on the stdout both processes share with the
+Trainer's own prints)."""
 
 from __future__ import annotations
 
@@ -42,14 +45,30 @@ class Diverge(transformers.TrainerCallback):  # type: ignore[misc]
 
 def main(out: str, mode: str, backend: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if mode == "best":
+        _train(out, "best-stock", backend)
+    _train(out, mode, backend)
+
+
+def _train(out: str, mode: str, backend: str) -> None:
     model = tiny_gpt2()
     run = os.path.join(out, "callback" if mode in ("callback", "resume") else mode)
+    best = mode in ("best", "best-stock")
+    # The highest loss is "better": the first checkpoint is the best, and only it stays.
+    best_args = {
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "metric_for_best_model": "loss",
+        "greater_is_better": True,
+        "save_total_limit": 1,
+        "load_best_model_at_end": True,
+    }
     args = transformers.TrainingArguments(
         output_dir=run,
         max_steps=8,
         per_device_train_batch_size=4,
         learning_rate=1e-3,
-        save_strategy="steps" if mode in ("callback", "model-only") else "no",
+        save_strategy="steps" if mode in ("callback", "model-only", "best", "best-stock") else "no",
         save_steps=2,
         logging_steps=1000,
         report_to=[],
@@ -60,11 +79,16 @@ def main(out: str, mode: str, backend: str) -> None:
         dataloader_num_workers=0,
         save_on_each_node=mode == "each-node",
         save_only_model=mode == "model-only",
+        **(best_args if best else {}),
     )
-    saving = mode in ("callback", "model-only", "each-node")
+    saving = mode in ("callback", "model-only", "each-node", "best")
     callbacks = [Diverge(), *([AioPersistCallback(backend=backend)] if saving else [])]
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=Tokens(64, 16, 128), callbacks=callbacks
+        model=model,
+        args=args,
+        train_dataset=Tokens(64, 16, 128),
+        eval_dataset=Tokens(8, 16, 128) if best else None,
+        callbacks=callbacks,
     )
     resume = os.path.join(run, "checkpoint-4") if mode == "resume" else None
     if mode == "each-node":
@@ -79,7 +103,23 @@ def main(out: str, mode: str, backend: str) -> None:
             {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
             os.path.join(out, f"{mode}.pt"),
         )
-    _report(out, mode, {"rank": trainer.args.process_index, "world": trainer.args.world_size, "mode": mode})
+    best_checkpoint = trainer.state.best_model_checkpoint
+    _report(
+        out,
+        mode,
+        {
+            "rank": trainer.args.process_index,
+            "world": trainer.args.world_size,
+            "mode": mode,
+            "best": os.path.basename(best_checkpoint) if best_checkpoint else None,
+            "best_metric": trainer.state.best_metric,
+            # Process 0 saves and rotates: another rank could list the directory before
+            # process 0's end-of-training cleanup.
+            "checkpoints": sorted(n for n in os.listdir(run) if n.startswith("checkpoint-"))
+            if trainer.args.process_index == 0 and os.path.isdir(run)
+            else None,
+        },
+    )
 
 
 def _report(out: str, mode: str, report: dict[str, object]) -> None:

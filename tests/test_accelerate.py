@@ -1,5 +1,7 @@
 """aiopersist.integrations.accelerate: an asynchronous save_state that Accelerate's own
-load_state restores, in one process and under accelerate launch with two."""
+load_state restores, in one process and under accelerate launch with two, and that
+behaves as ``accelerator.save_state`` does: its pre-hooks, existing directories,
+automatic checkpoint naming."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ import torch
 pytest.importorskip("accelerate")
 
 from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
 
 import aiopersist
 from aiopersist.integrations.accelerate import save_state, save_state_blocking
@@ -23,10 +27,20 @@ from aiopersist.integrations.accelerate import save_state, save_state_blocking
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "integrations" / "accelerate" / "cpu_2proc.yaml"
 
+BACKENDS = [
+    pytest.param(
+        "io_uring",
+        marks=pytest.mark.skipif(not aiopersist.probe_io_uring().usable, reason="io_uring unavailable"),
+    ),
+    "threads",
+]
 
-def _setup() -> tuple[Accelerator, torch.nn.Module, torch.optim.Optimizer, object]:
+
+def _setup(
+    project: ProjectConfiguration | None = None,
+) -> tuple[Accelerator, torch.nn.Module, torch.optim.Optimizer, object]:
     torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, project_config=project)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -82,6 +96,146 @@ def test_save_state_blocking(tmp_path: Path) -> None:
         assert torch.equal(model.state_dict()[k], v), k
 
 
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    out.update({f"opt.{k}": v.clone() for k, v in opt.state_dict()["state"][0].items()})
+    return out
+
+
+def _assert_restored(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, want: dict[str, torch.Tensor]
+) -> None:
+    got = _state(model, opt)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+class _Hooks:
+    """A save pre-hook that writes a file of its own, and with ``takes_weights`` saves
+    the model's weights itself (taking them out of the list) for its load pre-hook to
+    restore: ``load_state`` fails unless the checkpoint holds what the hooks wrote."""
+
+    def __init__(self, accelerator: Accelerator, takes_weights: bool) -> None:
+        self.takes_weights = takes_weights
+        self.calls: list[tuple[Any, int, str]] = []
+        accelerator.register_save_state_pre_hook(self.save)
+        accelerator.register_load_state_pre_hook(self.load)
+
+    def save(
+        self, models: list[torch.nn.Module], weights: list[dict[str, torch.Tensor]], output_dir: str
+    ) -> None:
+        self.calls.append((models, len(weights), output_dir))
+        Path(output_dir, "hook.json").write_text(json.dumps({"models": len(models)}))
+        if self.takes_weights:
+            torch.save(weights.pop(), os.path.join(output_dir, "hooked_model.pt"))
+
+    def load(self, models: list[torch.nn.Module], input_dir: str) -> None:
+        assert json.loads(Path(input_dir, "hook.json").read_text()) == {"models": 1}
+        if self.takes_weights:
+            models.pop().load_state_dict(
+                torch.load(os.path.join(input_dir, "hooked_model.pt"), weights_only=True)
+            )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("takes_weights", [False, True], ids=["adds-a-file", "saves-the-weights"])
+def test_save_state_pre_hooks_are_called_and_what_they_write_is_saved(
+    tmp_path: Path, backend: str, takes_weights: bool
+) -> None:
+    """The hooks registered with ``register_save_state_pre_hook`` get the Accelerator's
+    models and the weights list, as with ``save_state``; what they write goes into the
+    checkpoint, the weights they leave are written, and ``load_state`` (with the load
+    hooks) restores the checkpoint. The files are the stock save's, plus aiopersist's
+    manifest (and, when the hooks took every model's weights, a data file with none)."""
+    accelerator, model, opt, sched = _setup()
+    hooks = _Hooks(accelerator, takes_weights)
+    _step(model, opt, sched)
+    saved = _state(model, opt)
+    accelerator.save_state(str(tmp_path / "stock"))
+    with aiopersist.BlockingCheckpointer(backend=backend) as ck:
+        handle = save_state_blocking(accelerator, tmp_path / "ours", checkpointer=ck)
+        handle.wait_staged()
+        assert handle.wait() is not None
+    ours = set(os.listdir(tmp_path / "ours")) - {"aiopersist.json"}
+    if takes_weights:
+        ours -= {"state.safetensors"}
+    assert ours == set(os.listdir(tmp_path / "stock"))
+    assert ("hooked_model.pt" in ours, "model.safetensors" in ours) == (takes_weights, not takes_weights)
+    (stock_call, our_call) = hooks.calls
+    assert our_call[0] is accelerator._models
+    assert our_call[1] == stock_call[1] == 1
+    assert not os.path.exists(our_call[2])  # a staging directory, gone once its files are read
+    asyncio.run(aiopersist.verify(tmp_path / "ours"))
+    _step(model, opt, sched)
+    accelerator.load_state(str(tmp_path / "ours"))
+    _assert_restored(model, opt, saved)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_state_into_existing_directories(tmp_path: Path, backend: str) -> None:
+    """An existing empty directory is taken, as ``save_state`` takes it. A non-empty one,
+    which ``save_state`` writes into, is refused (``CheckpointExistsError``) unless
+    ``overwrite=True``, which replaces it as a whole."""
+    accelerator, model, opt, sched = _setup()
+    _step(model, opt, sched)
+    saved = _state(model, opt)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("an earlier run's")
+    with aiopersist.BlockingCheckpointer(backend=backend) as ck:
+        save_state_blocking(accelerator, tmp_path / "empty", checkpointer=ck).wait()
+        with pytest.raises(aiopersist.CheckpointExistsError):
+            save_state_blocking(accelerator, tmp_path / "full", checkpointer=ck)
+        assert os.listdir(tmp_path / "full") == ["notes.txt"]
+        save_state_blocking(accelerator, tmp_path / "full", checkpointer=ck, overwrite=True).wait()
+    assert "notes.txt" not in os.listdir(tmp_path / "full")
+    for name in ("empty", "full"):
+        _step(model, opt, sched)
+        accelerator.load_state(str(tmp_path / name))
+        _assert_restored(model, opt, saved)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_automatic_checkpoint_naming_and_total_limit_as_stock(tmp_path: Path, backend: str) -> None:
+    """``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2)``: the
+    checkpoints are named, counted and deleted as ``save_state`` does them, an existing
+    name is refused as there (after the deletion, as there), and ``load_state()`` with no
+    directory restores the newest."""
+    project = {"automatic_checkpoint_naming": True, "total_limit": 2}
+    stock, stock_model, stock_opt, stock_sched = _setup(
+        ProjectConfiguration(str(tmp_path / "stock"), **project)
+    )
+    ours, model, opt, sched = _setup(ProjectConfiguration(str(tmp_path / "ours"), **project))
+
+    def names(accelerator: Accelerator) -> list[str]:
+        return sorted(os.listdir(os.path.join(accelerator.project_dir, "checkpoints")))
+
+    async def run() -> dict[str, torch.Tensor]:
+        async with aiopersist.Checkpointer(backend=backend) as ck:
+            for _ in range(3):
+                _step(stock_model, stock_opt, stock_sched)
+                stock.save_state()
+                _step(model, opt, sched)
+                handle = await save_state(ours, checkpointer=ck)
+                await handle.staged
+            await handle.done
+            assert names(ours) == names(stock) == ["checkpoint_1", "checkpoint_2"]
+            assert ours.save_iteration == stock.save_iteration == 3
+            for accelerator in (stock, ours):
+                accelerator.project_configuration.iteration -= 1  # the name of the last one, again
+            with pytest.raises(ValueError, match="already exists"):
+                stock.save_state()
+            with pytest.raises(ValueError, match="already exists"):
+                await save_state(ours, checkpointer=ck)
+        return _state(model, opt)
+
+    saved = asyncio.run(run())
+    assert names(ours) == names(stock) == ["checkpoint_2"]
+    _step(model, opt, sched)
+    ours.load_state()
+    _assert_restored(model, opt, saved)
+
+
 def test_save_state_under_accelerate_launch_two_processes(tmp_path: Path) -> None:
     accelerate = Path(sys.executable).parent / "accelerate"
     proc = subprocess.run(
@@ -99,6 +253,9 @@ def test_save_state_under_accelerate_launch_two_processes(tmp_path: Path) -> Non
     assert all(o["restored"] for o in outs)
     names = set(os.listdir(tmp_path / "ck"))
     assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "optimizer.bin"} <= names
+    # Every rank's save hook ran; process 0's files are the ones written.
+    assert [o["hooked"] for o in outs] == [1, 1]
+    assert json.loads((tmp_path / "ck" / "hook.json").read_text()) == {"rank": 0}
 
 
 def _free_port() -> int:

@@ -197,3 +197,22 @@ def test_closing_a_backend_under_load_fails_the_waiters_with_a_typed_error(backe
         timeout=60,
     )
     assert rc == 0, err
+
+
+def test_the_next_trainer_run_removes_what_an_abandoned_save_left(tmp_path: Path) -> None:
+    """A Trainer run killed (or abandoned at exit) mid-save leaves a temporary directory:
+    the next run with the callback removes it, and nothing else."""
+    pytest.importorskip("transformers")
+    from aiopersist.integrations.transformers import AioPersistCallback
+    from tests.test_hf_trainer import _trainer
+
+    out = tmp_path / "run"
+    (out / ".checkpoint-2.aiopersist-tmp-0123456789ab").mkdir(parents=True)
+    (out / ".checkpoint-2.aiopersist-tmp-0123456789ab" / "model.safetensors").write_bytes(b"half")
+    (out / ".checkpoint-1.aiopersist-trash-0123456789ab").mkdir()
+    (out / ".keep-me").write_text("the user's")
+    _trainer(out, [AioPersistCallback()], max_steps=2, save_steps=2).train()
+    assert sorted(os.listdir(out)) == [".keep-me", "checkpoint-2"]
+    import asyncio
+
+    asyncio.run(aiopersist.verify(out / "checkpoint-2"))

@@ -1,11 +1,16 @@
 """AioPersistCallback with a real Hugging Face Trainer: a tiny GPT-2 built from a config,
 trained on generated tokens, offline. Checkpoints written by the callback must be the
-Trainer's own, so that a stock Trainer resumes from them bit-exactly."""
+Trainer's own, so that a stock Trainer resumes from them bit-exactly, and a run with the
+callback must end as a stock run does: the same weights, checkpoints, best checkpoint and
+``trainer_state.json``. Stock reference runs are made once per module."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import os
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -16,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import aiopersist  # noqa: E402
 from aiopersist._demo_trainer import Tokens  # noqa: E402
+from aiopersist._manager import check_step  # noqa: E402
 from aiopersist.integrations.transformers import (  # noqa: E402
     AioPersistCallback,
     _checkpoints,
@@ -24,6 +30,38 @@ from aiopersist.integrations.transformers import (  # noqa: E402
 from tests._hf_ddp_worker import tiny_gpt2  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+BACKENDS = [
+    pytest.param(
+        "io_uring",
+        marks=pytest.mark.skipif(not aiopersist.probe_io_uring().usable, reason="io_uring unavailable"),
+    ),
+    "threads",
+]
+
+# Evaluation every 2 steps, on the steps that save, with a log entry at every step.
+EVAL: dict[str, Any] = {
+    "eval_strategy": "steps",
+    "eval_steps": 2,
+    "logging_steps": 1,
+    "metric_for_best_model": "loss",
+}
+# The best checkpoint is the first (the highest loss is "better"), so it is the oldest
+# one: rotation must keep it, and load_best_model_at_end goes back to its weights. With
+# save_total_limit=1 the stock end of training deletes every other checkpoint.
+BEST_FIRST: dict[str, Any] = {
+    **EVAL,
+    "greater_is_better": True,
+    "save_total_limit": 1,
+    "load_best_model_at_end": True,
+}
+# save_strategy="best": a checkpoint at each new best (the loss falls at every evaluation).
+SAVE_BEST: dict[str, Any] = {
+    **EVAL,
+    "save_strategy": "best",
+    "save_total_limit": 2,
+    "load_best_model_at_end": True,
+}
 
 
 def _trainer(out: Path, callbacks: list[Any], max_steps: int = 8, **kw: Any) -> Any:
@@ -58,6 +96,34 @@ def _weights(trainer: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
+def _assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+def _comparable(state: dict[str, Any]) -> dict[str, Any]:
+    """A ``trainer_state.json`` (or a live state's dict) without what differs between two
+    runs of the same training: the timings in the log, and the run directory in
+    ``best_model_checkpoint``."""
+    out = dict(state)
+    out["log_history"] = [
+        {k: v for k, v in entry.items() if not k.endswith(("_runtime", "_per_second"))}
+        for entry in state["log_history"]
+    ]
+    if out.get("best_model_checkpoint"):
+        out["best_model_checkpoint"] = os.path.basename(out["best_model_checkpoint"])
+    return out
+
+
+def _saved_state(checkpoint: Path) -> dict[str, Any]:
+    return _comparable(json.loads((checkpoint / "trainer_state.json").read_text()))
+
+
+def _checkpoint_names(run: Path) -> list[str]:
+    return sorted(n for n in os.listdir(run) if n.startswith("checkpoint-"))
+
+
 class _StopAt(transformers.TrainerCallback):  # type: ignore[misc]
     def __init__(self, step: int) -> None:
         self.step = step
@@ -67,19 +133,60 @@ class _StopAt(transformers.TrainerCallback):  # type: ignore[misc]
             control.should_training_stop = True
 
 
+@dataclasses.dataclass
+class StockRun:
+    """A stock Trainer's run: where it saved, its final weights and state."""
+
+    run: Path
+    weights: dict[str, torch.Tensor]
+    state: dict[str, Any]
+
+
+def _stock_run(run: Path, **kw: Any) -> StockRun:
+    trainer = _trainer(run, [], **kw)
+    trainer.train()
+    return StockRun(run, _weights(trainer), dataclasses.asdict(trainer.state))
+
+
+@pytest.fixture(scope="module")
+def stock_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The weights of a stock Trainer that never stops and saves nothing."""
+    return _stock_run(tmp_path_factory.mktemp("stock") / "run", save_strategy="no").weights
+
+
+def _assert_matches_stock(run: Path, callback: AioPersistCallback, trainer: Any, stock: StockRun) -> None:
+    """The callback's run ended as the stock one: the same weights, best checkpoint,
+    checkpoint directories, files and ``trainer_state.json`` (and a complete, verified
+    aiopersist checkpoint in every directory)."""
+    _assert_same_weights(_weights(trainer), stock.weights)
+    mine = _comparable(dataclasses.asdict(trainer.state))
+    theirs = _comparable(stock.state)
+    for key in ("best_model_checkpoint", "best_metric", "best_global_step"):
+        assert mine[key] == theirs[key], key
+    assert mine == theirs  # the log too
+    assert _checkpoint_names(run) == _checkpoint_names(stock.run)
+    for name in _checkpoint_names(run):
+        ours, stocks = run / name, stock.run / name
+        assert set(os.listdir(ours)) - {"aiopersist.json"} == set(os.listdir(stocks)), name
+        assert _saved_state(ours) == _saved_state(stocks), name
+        for small in ("config.json", "generation_config.json"):
+            assert (ours / small).read_bytes() == (stocks / small).read_bytes(), (name, small)
+        asyncio.run(aiopersist.verify(ours))  # raises unless complete, every checksum right
+        assert str(ours) in callback.saved
+    assert "_save_checkpoint" not in vars(trainer)  # the Trainer is given back as it was
+
+
 @pytest.mark.parametrize(
-    ("backend", "mode"), [("threads", "fence"), ("io_uring", "fence"), ("threads", "snapshot")]
+    ("backend", "mode"),
+    [
+        ("threads", "fence"),
+        pytest.param("io_uring", "fence", marks=BACKENDS[0].marks),
+        ("threads", "snapshot"),
+    ],
 )
 def test_stock_trainer_resumes_bit_exactly_from_callback_checkpoints(
-    tmp_path: Path, backend: str, mode: Any
+    tmp_path: Path, backend: str, mode: Any, stock_weights: dict[str, torch.Tensor]
 ) -> None:
-    if backend == "io_uring" and not aiopersist.probe_io_uring().usable:
-        pytest.skip("io_uring unavailable")
-    # The reference: a stock Trainer, never interrupted, saving nothing.
-    stock = _trainer(tmp_path / "stock", [], save_strategy="no")
-    stock.train()
-    reference = _weights(stock)
-
     # With the callback, interrupted after step 4.
     callback = AioPersistCallback(backend=backend, mode=mode)
     first = _trainer(tmp_path / "run", [callback, _StopAt(4)])
@@ -94,16 +201,14 @@ def test_stock_trainer_resumes_bit_exactly_from_callback_checkpoints(
     assert transformers.trainer_utils.get_last_checkpoint(str(tmp_path / "run")) == str(ckpt)
     opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
     assert set(opt) == {"state", "param_groups"}
-    report = __import__("asyncio").run(aiopersist.verify(ckpt))
+    report = asyncio.run(aiopersist.verify(ckpt))
     assert {os.path.basename(f) for f in report.files} >= {"model.safetensors", "optimizer.pt"}
 
     # A stock Trainer, knowing nothing of aiopersist, resumes and ends where the
     # uninterrupted run ended: bit for bit.
     resumed = _trainer(tmp_path / "run", [])
     resumed.train(resume_from_checkpoint=str(ckpt))
-    after = _weights(resumed)
-    for k, v in reference.items():
-        assert torch.equal(after[k], v), k
+    _assert_same_weights(_weights(resumed), stock_weights)
 
     # from_pretrained reads the checkpoint directly.
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(ckpt))
@@ -112,19 +217,200 @@ def test_stock_trainer_resumes_bit_exactly_from_callback_checkpoints(
     assert torch.equal(loaded.transformer.wte.weight, loaded.lm_head.weight)  # tied, as saved
 
 
-def test_callback_run_matches_stock_run_and_honours_save_total_limit(tmp_path: Path) -> None:
-    stock = _trainer(tmp_path / "stock", [], save_strategy="no")
-    stock.train()
+def test_callback_run_matches_stock_run_and_honours_save_total_limit(
+    tmp_path: Path, stock_weights: dict[str, torch.Tensor]
+) -> None:
     callback = AioPersistCallback()
     mine = _trainer(tmp_path / "run", [callback], save_total_limit=2)
     mine.train()
-    for k, v in _weights(stock).items():
-        assert torch.equal(_weights(mine)[k], v), k  # saving changed nothing in training
+    _assert_same_weights(_weights(mine), stock_weights)  # saving changed nothing in training
     assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-6", "checkpoint-8"]
     assert len(callback.saved) == 4
 
 
-@pytest.mark.parametrize("backend", ["threads", "io_uring"])
+@dataclasses.dataclass
+class StockResumed:
+    """A stock run with evaluation, and a stock Trainer resumed from its checkpoint-4."""
+
+    first: StockRun
+    resumed: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def stock_eval(tmp_path_factory: pytest.TempPathFactory) -> StockResumed:
+    run = tmp_path_factory.mktemp("stock-eval") / "run"
+    first = _stock_run(run, **EVAL)
+    resumed = _trainer(run, [], **EVAL, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(run / "checkpoint-4"))
+    return StockResumed(first, dataclasses.asdict(resumed.state))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoints_hold_the_steps_log_and_evaluation_as_stock(
+    tmp_path: Path, backend: str, stock_eval: StockResumed
+) -> None:
+    """Each checkpoint's ``trainer_state.json`` is the stock one: the step's log entry and
+    the evaluation of that step are in it, with the best metric they give. A stock
+    Trainer resumed from it logs and ends as one resumed from a stock checkpoint."""
+    stock = stock_eval.first
+    assert [e["step"] for e in stock.state["log_history"] if "eval_loss" in e] == [2, 4, 6, 8]
+    callback = AioPersistCallback(backend=backend)
+    trainer = _trainer(tmp_path / "run", [callback], **EVAL)
+    trainer.train()
+    _assert_matches_stock(tmp_path / "run", callback, trainer, stock)
+    assert _saved_state(tmp_path / "run" / "checkpoint-4")["log_history"][-2:] == [
+        e for e in _comparable(stock.state)["log_history"] if e["step"] == 4
+    ]
+
+    resumed = _trainer(tmp_path / "run", [], **EVAL, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert _comparable(dataclasses.asdict(resumed.state)) == _comparable(stock_eval.resumed)
+
+
+@pytest.fixture(scope="module")
+def stock_best_first(tmp_path_factory: pytest.TempPathFactory) -> StockRun:
+    stock = _stock_run(tmp_path_factory.mktemp("stock-best") / "run", **BEST_FIRST)
+    # What the test is about: the best is the oldest checkpoint, not the last one.
+    assert os.path.basename(stock.state["best_model_checkpoint"]) == "checkpoint-2"
+    assert _checkpoint_names(stock.run) == ["checkpoint-2"]
+    return stock
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_best_checkpoint_is_recorded_kept_and_loaded_at_the_end_as_stock(
+    tmp_path: Path, backend: str, stock_best_first: StockRun
+) -> None:
+    """``metric_for_best_model``, ``save_total_limit=1`` and ``load_best_model_at_end``:
+    the best checkpoint (the first) is recorded, survives rotation (which keeps it and
+    the newest) and the end of training (which deletes all but it), and its weights are
+    loaded at the end, as in a stock run."""
+    callback = AioPersistCallback(backend=backend)
+    trainer = _trainer(tmp_path / "run", [callback], **BEST_FIRST)
+    trainer.train()
+    _assert_matches_stock(tmp_path / "run", callback, trainer, stock_best_first)
+    assert len(callback.saved) == 4  # every save went through aiopersist
+
+
+@pytest.fixture(scope="module")
+def stock_save_best(tmp_path_factory: pytest.TempPathFactory) -> StockRun:
+    stock = _stock_run(tmp_path_factory.mktemp("stock-save-best") / "run", **SAVE_BEST)
+    assert _checkpoint_names(stock.run) == ["checkpoint-6", "checkpoint-8"]
+    return stock
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_strategy_best_saves_through_the_callback_as_stock(
+    tmp_path: Path, backend: str, stock_save_best: StockRun
+) -> None:
+    """``save_strategy="best"`` decides to save after the evaluation; those saves are the
+    callback's, and the run ends as a stock one."""
+    callback = AioPersistCallback(backend=backend)
+    trainer = _trainer(tmp_path / "run", [callback], **SAVE_BEST)
+    trainer.train()
+    _assert_matches_stock(tmp_path / "run", callback, trainer, stock_save_best)
+    assert [os.path.basename(p) for p in callback.saved] == [f"checkpoint-{s}" for s in (2, 4, 6, 8)]
+
+
+class _HoldAt(transformers.TrainerCallback):  # type: ignore[misc]
+    """At the start of step ``step``, hold training until ``until(run)`` holds (or a
+    minute has gone by), and record whether it did."""
+
+    def __init__(self, step: int, run: Path, until: Any) -> None:
+        self.step, self.run, self.until = step, run, until
+        self.seen: bool | None = None
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step + 1 != self.step:
+            return
+        deadline = time.monotonic() + 60
+        while not self.until(self.run) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.seen = bool(self.until(self.run))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_total_limit_applies_once_a_checkpoint_is_committed(tmp_path: Path, backend: str) -> None:
+    """With ``save_total_limit=1``, checkpoint-2 goes once checkpoint-4 is committed,
+    in the background: while training is held before the next save, not when that save
+    starts."""
+    run = tmp_path / "run"
+    hold = _HoldAt(5, run, lambda run: _checkpoint_names(run) == ["checkpoint-4"])
+    _trainer(run, [AioPersistCallback(backend=backend), hold], save_total_limit=1).train()
+    assert hold.seen, _checkpoint_names(run)
+    assert _checkpoint_names(run) == ["checkpoint-8"]
+
+
+class _RequestJIT(transformers.TrainerCallback):  # type: ignore[misc]
+    """Request a just-in-time checkpoint as SIGTERM does once its grace period is over;
+    the Trainer's JIT callback takes it at its next event. With ``committed`` (a
+    checkpoint directory), the request is made at the start of the step after ``step``,
+    once that checkpoint is committed (its name appears only then): the JIT save comes
+    before that step's optimizer step. Otherwise it is made at the end of ``step``, and
+    taken at the start of the next one."""
+
+    def __init__(self, step: int, committed: Path | None) -> None:
+        self.step, self.committed = step, committed
+        self.trainer: Any = None
+
+    def _request(self) -> None:
+        (jit,) = [
+            cb
+            for cb in self.trainer.callback_handler.callbacks
+            if type(cb).__name__ == "JITCheckpointCallback"
+        ]
+        jit.jit_manager.is_checkpoint_requested = True
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.committed is not None and state.global_step == self.step:
+            deadline = time.monotonic() + 60
+            while not self.committed.is_dir() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self._request()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.committed is None and state.global_step == self.step:
+            self._request()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("saved_step", "checkpoints"), [(4, [2, 4]), (5, [2, 4, 5, 6])], ids=["saved", "unsaved"]
+)
+def test_jit_checkpoint_never_writes_into_a_committed_checkpoint(
+    tmp_path: Path,
+    backend: str,
+    saved_step: int,
+    checkpoints: list[int],
+    stock_weights: dict[str, torch.Tensor],
+) -> None:
+    """``enable_jit_checkpoint``. A request once checkpoint-4 is committed, taken before
+    step 5's optimizer step (still step 4): the stock JIT save would write into that
+    checkpoint again; here it is left as it is. A request after step 5, which has no
+    checkpoint: checkpoint-5 is saved through aiopersist, durable before training goes
+    on. Training stops after the next step either way; every checkpoint is complete and
+    saved once, and a stock Trainer resumes from the JIT one to the weights of a run that
+    never stopped."""
+    if "enable_jit_checkpoint" not in transformers.TrainingArguments.__dataclass_fields__:
+        pytest.skip("this transformers has no just-in-time checkpoints")
+    run = tmp_path / "run"
+    callback = AioPersistCallback(backend=backend)
+    request = _RequestJIT(saved_step, run / "checkpoint-4" if saved_step == 4 else None)
+    trainer = _trainer(run, [callback, request], enable_jit_checkpoint=True)
+    request.trainer = trainer
+    trainer.train()
+    assert trainer.state.global_step == saved_step + 1  # stopped after the next step
+    assert _checkpoint_names(run) == [f"checkpoint-{s}" for s in checkpoints]
+    assert callback.saved == [str(run / f"checkpoint-{s}") for s in checkpoints]  # each saved once
+    for step in checkpoints:
+        assert "checkpoint-is-incomplete.txt" not in os.listdir(run / f"checkpoint-{step}")
+        assert check_step(str(run / f"checkpoint-{step}"))[0]
+        asyncio.run(aiopersist.verify(run / f"checkpoint-{step}"))
+    resumed = _trainer(run, [], save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(run / f"checkpoint-{saved_step}"))
+    _assert_same_weights(_weights(resumed), stock_weights)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_rotation_counts_only_complete_checkpoints(tmp_path: Path, backend: str) -> None:
     """save_total_limit keeps the newest N *complete* checkpoints. A broken one (a stock
     save that crashed, a damaged aiopersist one) neither counts nor protects: older
@@ -158,9 +444,19 @@ def test_rotation_counts_only_complete_checkpoints(tmp_path: Path, backend: str)
     assert names(to_rotate(found, 2)) == ["checkpoint-1", "checkpoint-2", "checkpoint-4"]
     assert names(to_rotate(found, 5)) == ["checkpoint-2", "checkpoint-4"]
     assert to_rotate([(4, str(run / "checkpoint-4"), False)], 1) == []
+    # The best checkpoint stays, as with the stock rotation: with a limit of 1, the best
+    # and the newest. A damaged best is not deleted either, and counts as kept.
+    assert names(to_rotate(found, 1, best=str(run / "checkpoint-1"))) == [
+        "checkpoint-2", "checkpoint-3", "checkpoint-4",
+    ]  # fmt: skip
+    assert names(to_rotate(found, 1, best=str(run / "checkpoint-2"))) == ["checkpoint-1", "checkpoint-4"]
+    # A best that is gone still counts as kept, as in the stock rule: two stay.
+    assert names(to_rotate(found, 1, best=str(run / "checkpoint-9"))) == [
+        "checkpoint-1", "checkpoint-2", "checkpoint-4",
+    ]  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", ["threads", "io_uring"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_save_total_limit_keeps_complete_checkpoints_past_a_broken_one(tmp_path: Path, backend: str) -> None:
     """A broken checkpoint-7 left by an earlier run: at step 8 the Trainer run still keeps
     two complete checkpoints (6 and 8), where counting every directory would have kept
@@ -173,15 +469,46 @@ def test_save_total_limit_keeps_complete_checkpoints_past_a_broken_one(tmp_path:
         asyncio.run(aiopersist.verify(tmp_path / "run" / name))  # raises if it is not whole
 
 
-def test_callback_refuses_what_it_cannot_do(tmp_path: Path) -> None:
-    trainer = _trainer(
-        tmp_path / "run",
-        [AioPersistCallback()],
-        eval_strategy="steps",
-        eval_steps=2,
-        load_best_model_at_end=True,
+class _FailAt(transformers.TrainerCallback):  # type: ignore[misc]
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == self.step:
+            raise RuntimeError("training failed")
+
+
+def test_a_trainer_left_by_a_failed_run_saves_as_stock_without_the_callback(tmp_path: Path) -> None:
+    """A training that raises never reaches ``on_train_end``, so the Trainer keeps the
+    callback's save; once the callback is removed, that save is the stock one (nothing
+    would wait on the fence of an asynchronous one)."""
+    callback = AioPersistCallback()
+    trainer = _trainer(tmp_path / "run", [callback, _FailAt(1)])  # before any save
+    with pytest.raises(RuntimeError, match="training failed"):
+        trainer.train()
+    assert "_save_checkpoint" in vars(trainer)
+    trainer.remove_callback(callback)
+    trainer.remove_callback(_FailAt)
+    trainer.train()
+    assert _checkpoint_names(tmp_path / "run") == [f"checkpoint-{s}" for s in (2, 4, 6, 8)]
+    assert "aiopersist.json" not in os.listdir(tmp_path / "run" / "checkpoint-8")
+    callback.on_train_end(trainer.args, trainer.state, trainer.control)  # what the failed run left
+    assert "_save_checkpoint" not in vars(trainer)
+
+
+class _OwnSaveTrainer(transformers.Trainer):  # type: ignore[misc]
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+
+
+def test_callback_refuses_a_trainer_with_its_own_checkpoint_save(tmp_path: Path) -> None:
+    trainer = _OwnSaveTrainer(
+        model=tiny_gpt2(),
+        args=_trainer(tmp_path / "run", []).args,
+        train_dataset=Tokens(64, 16, 128),
+        callbacks=[AioPersistCallback()],
     )
-    with pytest.raises(ValueError, match="load_best_model_at_end"):
+    with pytest.raises(ValueError, match="_OwnSaveTrainer overrides"):
         trainer.train()
 
 
@@ -260,7 +587,7 @@ def ddp_stock_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tor
     return cast(dict[str, torch.Tensor], torch.load(out / "stock.pt"))
 
 
-@pytest.mark.parametrize("backend", ["threads", "io_uring"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_under_ddp_a_stock_trainer_resumes_bit_exactly(
     tmp_path: Path, backend: str, ddp_stock_weights: dict[str, torch.Tensor]
 ) -> None:
@@ -287,6 +614,26 @@ def test_under_ddp_a_stock_trainer_resumes_bit_exactly(
         got = torch.load(tmp_path / f"{name}.pt")
         for k, v in ddp_stock_weights.items():
             assert torch.equal(got[k], v), (name, k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_under_ddp_the_best_checkpoint_is_kept_and_loaded_as_stock(tmp_path: Path, backend: str) -> None:
+    """Under torchrun, with the best checkpoint the first one, save_total_limit=1 and
+    load_best_model_at_end: both ranks record the best checkpoint as in a stock run (it
+    is in flight on process 0 when they do), it survives rotation and the end of
+    training, and every rank loads it at the end once process 0 has committed it. The
+    worker makes the stock run first, in the same processes."""
+    outs = _torchrun(tmp_path, "best", backend)
+    stock_outs = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("best-stock-[0-9]*.json"))]
+    assert [(o["best"], o["checkpoints"]) for o in stock_outs] == [
+        ("checkpoint-2", ["checkpoint-2"]),
+        ("checkpoint-2", None),  # only process 0 lists what it kept
+    ]
+    for key in ("rank", "world", "best", "best_metric", "checkpoints"):
+        assert [o[key] for o in outs] == [o[key] for o in stock_outs], key
+    asyncio.run(aiopersist.verify(tmp_path / "best" / "checkpoint-2"))
+    _assert_same_weights(torch.load(tmp_path / "best.pt"), torch.load(tmp_path / "best-stock.pt"))
+    assert "aiopersist.json" not in os.listdir(tmp_path / "best-stock" / "checkpoint-2")
 
 
 def test_under_ddp_save_only_model_writes_the_model_alone(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """An asynchronous ``accelerator.save_state()`` for Accelerate training loops.
 
-``handle = await save_state(accelerator, "ckpt/step-100")`` writes what
-``accelerator.save_state`` writes, in Accelerate's own layout, so that
+``handle = await save_state(accelerator, "ckpt/step-100", checkpointer=ckpt)`` writes
+what ``accelerator.save_state`` writes, in Accelerate's own layout, so that
 ``accelerator.load_state("ckpt/step-100")`` restores it:
 
 - ``model.safetensors``: the prepared model's state dict (``get_state_dict(model,
@@ -12,24 +12,41 @@
 - ``scaler.pt`` with mixed precision, and ``custom_checkpoint_<i>.pkl`` for objects
   registered with ``register_for_checkpointing``;
 - ``sampler.bin`` and ``dl_state_dict.bin`` where ``save_state`` writes them (the sampler
-  of a sharded iterable dataset, the state of a stateful data loader).
+  of a sharded iterable dataset, the state of a stateful data loader);
+- what the hooks registered with ``register_save_state_pre_hook`` write. They are called
+  as ``save_state`` calls them, ``hook(accelerator._models, weights, output_dir)``, and
+  may take weights out of the list (saving them themselves); the weights left are the
+  ones written. Their ``output_dir`` is a staging directory beside the checkpoint, whose
+  files go into the checkpoint.
+
+Where it goes is decided as ``save_state`` decides: an existing empty directory is
+taken; with ``automatic_checkpoint_naming`` the checkpoint is
+``<project_dir>/checkpoints/checkpoint_<iteration>`` (``output_dir`` may be left out),
+after the oldest ones beyond ``total_limit`` are deleted; every save started counts an
+iteration. Unlike ``save_state``, which writes into an existing directory, a non-empty
+one raises `CheckpointExistsError` unless ``overwrite=True`` replaces it as a whole.
 
 It returns once the save is started. Call ``await handle.staged`` (or
 ``handle.wait_staged()`` from a synchronous loop with `save_state_blocking`) before the
 next ``optimizer.step()``, and ``await handle.done`` when it must be durable. The
 directory appears only once complete (atomic rename).
 
-With several processes, every process calls it. Their RNG states are gathered to
-process 0 (a few KiB over the checkpoint's gloo group), which writes the whole
-directory. The model and optimizer are those of process 0, as with
-``save_state`` under DDP. On other processes the handle is already resolved.
+With several processes, every process calls it (and runs the save hooks). Their RNG
+states are gathered to process 0 (a few KiB over the checkpoint's gloo group), which
+writes the whole directory, with the files of its own hooks. The model and optimizer are
+those of process 0, as with ``save_state`` under DDP. On other processes the handle is
+already resolved.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import random
+import re
+import shutil
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -39,6 +56,8 @@ from .. import _knobs
 from .._api import TorchSave
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Checkpointer, SaveHandle
+from .._commit import TMP_MARKER
+from .._exceptions import CheckpointExistsError
 
 
 def _torch_bytes(obj: object) -> bytes:
@@ -60,22 +79,128 @@ def _rng_states(step: int) -> dict[str, Any]:
     return states
 
 
-def _plan(accelerator: Any) -> tuple[object, dict[str, bytes | TorchSave], Any]:
+def _rotates(accelerator: Any) -> bool:
+    """Whether this save deletes old checkpoints first (automatic naming with a
+    ``total_limit``), on the process that deletes them."""
+    config = accelerator.project_configuration
+    return bool(
+        config.automatic_checkpoint_naming and config.total_limit is not None and accelerator.is_main_process
+    )
+
+
+def _outdated(accelerator: Any) -> list[str]:
+    """The checkpoints ``save_state`` deletes before this save (automatic naming with a
+    ``total_limit``): the oldest, until ``total_limit`` remain with the new one."""
+    if not _rotates(accelerator):
+        return []
+    config = accelerator.project_configuration
+    base = os.path.join(accelerator.project_dir, "checkpoints")
+    if not os.path.isdir(base):
+        return []
+    # Hidden entries are aiopersist's temporary directories (saves in progress or
+    # interrupted, hook staging), not checkpoints: they neither count nor go.
+    folders = sorted(
+        (os.path.join(base, name) for name in os.listdir(base) if not name.startswith(".")),
+        key=_iteration_of,
+    )
+    return folders[: max(0, len(folders) + 1 - config.total_limit)]
+
+
+def _delete_outdated(accelerator: Any) -> None:
+    for folder in _outdated(accelerator):
+        shutil.rmtree(folder)
+
+
+def _target(accelerator: Any, output_dir: str | os.PathLike[str] | None, overwrite: bool) -> tuple[str, bool]:
+    """Where the checkpoint goes, and whether the save may replace what is there, as
+    ``save_state`` decides: with ``automatic_checkpoint_naming``,
+    ``<project_dir>/checkpoints/checkpoint_<iteration>`` (which must not exist; the
+    outdated ones were deleted before, see `_outdated`); otherwise ``output_dir``, where an
+    existing empty directory is replaced (``save_state`` writes into it)."""
+    config = accelerator.project_configuration
+    if config.automatic_checkpoint_naming:
+        base = os.path.join(accelerator.project_dir, "checkpoints")
+        os.makedirs(base, exist_ok=True)
+        target = os.path.join(base, f"checkpoint_{accelerator.save_iteration}")
+        if os.path.exists(target):
+            raise ValueError(
+                f"Checkpoint directory {target} ({accelerator.save_iteration}) already exists. Please "
+                "manually override `self.save_iteration` with what iteration to start with."
+            )
+        accelerator.wait_for_everyone()
+        return target, False
+    if output_dir is None:
+        raise ValueError("save_state needs output_dir unless the Accelerator names checkpoints automatically")
+    target = os.fspath(output_dir)
+    if not overwrite and os.path.lexists(target):
+        if os.path.isdir(target) and not os.listdir(target):
+            return target, True  # nothing in it to keep: replaced, as if it were not there
+        # save_state would write into it, beside what is there: a checkpoint is replaced
+        # as a whole or not at all. Said here, before the hooks run and anything is read.
+        raise CheckpointExistsError(f"{target} already exists (pass overwrite=True to replace it)")
+    return target, overwrite
+
+
+def _iteration_of(folder: str) -> int:
+    """The number in a checkpoint folder's name, as ``save_state`` sorts them."""
+    return int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)[0])
+
+
+def _run_save_hooks(accelerator: Any, weights: list[dict[str, Any]], target: str) -> dict[str, bytes]:
+    """Call the hooks registered with ``register_save_state_pre_hook`` as ``save_state``
+    does, ``hook(accelerator._models, weights, directory)``: they may take weights out of
+    the list and write files of their own. The directory is a staging one beside the
+    checkpoint (the checkpoint itself appears only once complete); the files they write
+    there are returned, to be written into the checkpoint (on process 0)."""
+    hooks = list(accelerator._save_model_state_pre_hook.values())
+    if not hooks:
+        return {}
+    parent, name = os.path.split(os.path.abspath(target))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{name}{TMP_MARKER}hooks-", dir=parent)
+    try:
+        for hook in hooks:
+            hook(accelerator._models, weights, staging)
+        if accelerator.process_index != 0:
+            return {}
+        files: dict[str, bytes] = {}
+        for entry in sorted(os.scandir(staging), key=lambda e: e.name):
+            if not entry.is_file(follow_symlinks=False):
+                raise ValueError(
+                    f"a save_state pre-hook wrote {entry.name!r}, which is not a plain file: aiopersist's "
+                    "save_state takes only files at the top of the checkpoint from the hooks"
+                )
+            with open(entry.path, "rb") as f:
+                files[entry.name] = f.read()
+        return files
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _plan(accelerator: Any, target: str) -> tuple[object, dict[str, bytes | TorchSave], Any]:
     """The model's state dict, the other files, and the group process 0 saves in."""
-    models = list(accelerator._models)
-    if len(models) != 1:
+    weights = [accelerator.get_state_dict(model, unwrap=False) for model in accelerator._models]
+    hooked = _run_save_hooks(accelerator, weights, target)
+    if len(weights) > 1:
         raise ValueError(
-            f"aiopersist's save_state supports one prepared model; this Accelerator has {len(models)}"
+            f"aiopersist's save_state writes one model's weights; {len(weights)} are left to write "
+            "(a save_state pre-hook may save the others itself and take them out of the list)"
         )
-    model_state = accelerator.get_state_dict(models[0], unwrap=False)
-    nbytes = sum(t.numel() * t.element_size() for t in model_state.values() if isinstance(t, torch.Tensor))
-    if nbytes > _knobs.shard_bytes():
-        # load_state reads one model.safetensors; a bigger model would be split in shards.
-        raise ValueError(
-            f"the model's state is {nbytes} bytes, more than one safetensors file holds here "
-            f"({_knobs.shard_bytes()}); set AIOPERSIST_SHARD_BYTES above it"
-        )
-    extra: dict[str, bytes | TorchSave] = {}
+    extra: dict[str, bytes | TorchSave] = dict(hooked)
+    # With no weights left (the hooks saved them), the data file has none: aiopersist's
+    # format always has one, and None names it state.safetensors, which load_state never reads.
+    model_state: object = None
+    if weights:
+        model_state = weights[0]
+        # save_state writes the weights after the hooks: over a file of theirs of that name.
+        extra.pop("model.safetensors", None)
+        nbytes = sum(t.numel() * t.element_size() for t in weights[0].values() if isinstance(t, torch.Tensor))
+        if nbytes > _knobs.shard_bytes():
+            # load_state reads one model.safetensors; a bigger model would be split in shards.
+            raise ValueError(
+                f"the model's state is {nbytes} bytes, more than one safetensors file holds here "
+                f"({_knobs.shard_bytes()}); set AIOPERSIST_SHARD_BYTES above it"
+            )
     for i, opt in enumerate(accelerator._optimizers):
         extra["optimizer.bin" if i == 0 else f"optimizer_{i}.bin"] = TorchSave(opt.state_dict())
     for i, sched in enumerate(accelerator._schedulers):
@@ -119,24 +244,31 @@ def _plan(accelerator: Any) -> tuple[object, dict[str, bytes | TorchSave], Any]:
 
 async def save_state(
     accelerator: Any,
-    output_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str] | None = None,
     *,
     checkpointer: Checkpointer,
     overwrite: bool = False,
 ) -> SaveHandle:
     """Start an asynchronous ``accelerator.save_state(output_dir)``; see the module
     docstring. ``checkpointer`` does the saving (keep one for the whole run)."""
-    model_state, extra, group = _plan(accelerator)
+    if _rotates(accelerator):
+        await checkpointer.wait()  # the checkpoints in flight count, and are complete, before any goes
+        await asyncio.to_thread(_delete_outdated, accelerator)  # the scan and deletions off the loop
+    target, replace = _target(accelerator, output_dir, overwrite)
+    model_state, extra, group = _plan(accelerator, target)
     if accelerator.process_index != 0:
-        return _done(os.fspath(output_dir))
-    return await checkpointer.save(
-        model_state, output_dir, overwrite=overwrite, extra_files=extra, group=group
-    )
+        handle = _done(target)
+    else:
+        handle = await checkpointer.save(
+            model_state, target, overwrite=replace, extra_files=extra, group=group
+        )
+    accelerator.project_configuration.iteration += 1  # as save_state, on every process
+    return handle
 
 
 def save_state_blocking(
     accelerator: Any,
-    output_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str] | None = None,
     *,
     checkpointer: BlockingCheckpointer,
     overwrite: bool = False,
@@ -144,12 +276,17 @@ def save_state_blocking(
     """`save_state` for synchronous training loops, with a `BlockingCheckpointer`:
     ``handle.wait_staged()`` before the next optimizer step, ``handle.wait()`` for
     durability."""
-    model_state, extra, group = _plan(accelerator)
+    if _rotates(accelerator):
+        checkpointer.wait()
+        _delete_outdated(accelerator)
+    target, replace = _target(accelerator, output_dir, overwrite)
+    model_state, extra, group = _plan(accelerator, target)
     if accelerator.process_index != 0:
-        return BlockingSaveHandle(
-            checkpointer._portal, checkpointer._portal.call(_done_async, os.fspath(output_dir))
-        )
-    return checkpointer.save(model_state, output_dir, overwrite=overwrite, extra_files=extra, group=group)
+        handle = BlockingSaveHandle(checkpointer._portal, checkpointer._portal.call(_done_async, target))
+    else:
+        handle = checkpointer.save(model_state, target, overwrite=replace, extra_files=extra, group=group)
+    accelerator.project_configuration.iteration += 1
+    return handle
 
 
 def _done(path: str) -> SaveHandle:

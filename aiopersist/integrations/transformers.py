@@ -1,32 +1,41 @@
 """Asynchronous checkpoints for the Hugging Face ``Trainer``.
 
-``Trainer(..., callbacks=[AioPersistCallback()])`` checkpoints when the Trainer's own
-``save_strategy`` / ``save_steps`` say so, without stopping training for the write:
+``Trainer(..., callbacks=[AioPersistCallback()])`` checkpoints where the stock Trainer
+saves, without stopping training for the write:
 
-1. at the end of a step (or epoch) where the Trainer would save, the callback takes the
-   save over (it clears ``control.should_save``) and starts an asynchronous save of the
-   model, the optimizer, the scheduler, the RNG states, ``trainer_state.json`` and
-   ``training_args.bin``;
-2. the next step's forward and backward run while it is written;
-3. right before the next optimizer step (``on_pre_optimizer_step``) it waits until every
-   byte has left the live tensors (the fence);
-4. at the end of training it waits until the last checkpoint is durable.
+1. at the start of training the callback finds its Trainer and routes the Trainer's
+   checkpoint save (``Trainer._save_checkpoint``) through aiopersist. The Trainer calls it
+   where it always does: after the step's logging and evaluation, once the best metric is
+   known, for every ``save_strategy`` (``"best"`` included) and for just-in-time
+   checkpoints (``enable_jit_checkpoint``);
+2. that save records the best checkpoint as the stock one does, takes the small files
+   (``trainer_state.json``, the scheduler, the RNG states, ``training_args.bin``) at
+   once, and starts an asynchronous save of the model and the optimizer;
+3. the next step's forward and backward run while it is written; right before the next
+   optimizer step (``on_pre_optimizer_step``) the callback waits until every byte has
+   left the live tensors (the fence);
+4. once the checkpoint is committed, ``save_total_limit`` is applied in the background;
+5. where training stops, the last checkpoint is durable (and the older ones rotated)
+   before the Trainer goes on, so ``load_best_model_at_end`` reads a complete checkpoint.
 
 The checkpoint is the Trainer's own layout, ``checkpoint-N/`` with ``model.safetensors``,
 ``config.json``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` (with a gradient
-scaler), ``rng_state.pth``,
-``trainer_state.json`` and ``training_args.bin`` (plus aiopersist's manifest with
-checksums), so a stock ``Trainer`` resumes from it with
+scaler), ``rng_state.pth``, ``trainer_state.json`` and ``training_args.bin`` (plus
+aiopersist's manifest with checksums), so a stock ``Trainer`` resumes from it with
 ``train(resume_from_checkpoint=...)``. ``optimizer.pt`` is the byte stream of
 ``torch.save``, written through the engine as torch produces it. A checkpoint takes its
 ``checkpoint-N`` name only once complete and durable, so ``get_last_checkpoint`` never
-picks a broken one. ``save_total_limit`` is honoured by step number, and only complete
-checkpoints count; incomplete ones (a stock save that crashed) older than the newest
-complete one are deleted too.
+picks a broken one. ``save_total_limit`` keeps the newest complete checkpoints by step
+number and the best one, as the stock rotation does, but only complete checkpoints count;
+incomplete ones (a stock save that crashed) older than the newest complete one are
+deleted too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import io
 import json
 import logging
@@ -39,19 +48,32 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    PreTrainedModel,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.training_args import ParallelMode
 
 from .._api import SaveInfo, TorchSave
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode
+from .._commit import TMP_MARKER, remove_path
 from .._dist import coordinator, process0_group
-from .._manager import check_step, delete_step
+from .._manager import TRASH_MARKER, check_step, delete_step
 from .._manifest import MANIFEST_NAME
 
 log = logging.getLogger("aiopersist")
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+# The save strategies under which the stock Trainer records the best checkpoint.
+_TRACKS_BEST = ("steps", "epoch", "best")
 
 
 def _torch_bytes(obj: object) -> bytes:
@@ -101,36 +123,72 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str, bool]]:
     return sorted(found)
 
 
-def to_rotate(checkpoints: list[tuple[int, str, bool]], limit: int) -> list[str]:
-    """What ``save_total_limit=limit`` deletes: complete checkpoints beyond the newest
-    ``limit``, and incomplete ones older than the newest complete one (nothing can resume
-    from them). Incomplete ones newer than that are left alone."""
-    complete = [(step, path) for step, path, ok in checkpoints if ok]
+def to_rotate(checkpoints: list[tuple[int, str, bool]], limit: int, best: str | None = None) -> list[str]:
+    """What ``save_total_limit=limit`` deletes, by the stock Trainer's rules counting only
+    complete checkpoints: the oldest complete ones go until ``limit`` remain, never the
+    newest (resuming needs it) nor ``best`` (``state.best_model_checkpoint``), so that
+    ``limit=1`` with an older best keeps two. Incomplete ones older than the newest
+    complete one go too (nothing can resume from them); newer ones are left alone, and
+    so is ``best`` whatever its state."""
+    complete = [path for _, path, ok in checkpoints if ok]
     if not complete:
         return []
-    newest = complete[-1][0]
-    doomed = {path for _, path in complete[:-limit]}
-    doomed |= {path for step, path, ok in checkpoints if not ok and step < newest}
+    newest_step = max(step for step, _, ok in checkpoints if ok)
+    kept_best = _same_path_as(best, [path for _, path, _ in checkpoints]) if best is not None else None
+    doomed = {path for step, path, ok in checkpoints if not ok and step < newest_step}
+    if len(complete) > limit:
+        protected = {complete[-1]}
+        if best is not None:
+            # As the stock rule: the best counts as kept even when it is not on disk.
+            protected.add(kept_best or best)
+        remaining = len(complete)
+        for path in complete:
+            if remaining <= max(limit, len(protected)):
+                break
+            if path not in protected:
+                doomed.add(path)
+                remaining -= 1
+    doomed.discard(kept_best or "")
     return [path for _, path, _ in checkpoints if path in doomed]
 
 
+def _same_path_as(path: str, candidates: list[str]) -> str | None:
+    """The candidate that names the same directory as ``path`` (the Trainer joins the
+    output directory as given, relative or not)."""
+    wanted = os.path.abspath(path)
+    return next((c for c in candidates if os.path.abspath(c) == wanted), None)
+
+
 class AioPersistCallback(TrainerCallback):
-    """Take over the Trainer's checkpoint saves and make them asynchronous.
+    """Route the Trainer's checkpoint saves through aiopersist and make them asynchronous.
 
     ``backend`` and ``mode`` are as for `aiopersist.Checkpointer` (``fence``: no copy of
     the state, the next optimizer step waits until it is staged; ``snapshot``: a host
     copy first, within ``snapshot_bytes``).
+
+    At ``on_train_begin`` the callback finds the ``Trainer`` running it (a callback is not
+    handed its Trainer: it is the caller of the event) and replaces that Trainer's
+    ``_save_checkpoint``, on the instance only, until ``on_train_end``. So checkpoints are
+    saved at exactly the stock point: after logging and evaluation, with the best metric
+    and ``best_model_checkpoint`` recorded as the stock save records them, for every
+    ``save_strategy`` (``"best"`` too) and for just-in-time checkpoints. Other
+    callbacks' ``on_save`` runs when the save has started, and their exported state
+    (``ExportableState``) goes into ``trainer_state.json`` as with stock saves.
+
+    ``save_total_limit`` is applied in a background thread as soon as each checkpoint is
+    committed, keeping the best one. Where training stops, the last checkpoint is waited
+    for (durable, rotation done) before the Trainer goes on, so ``load_best_model_at_end``
+    and the stock end-of-training cleanup see every checkpoint complete.
 
     Under DistributedDataParallel (``torchrun``) every rank runs the callback; process 0
     writes the checkpoint, with every rank's RNG state gathered to it, as the stock save
     lays it out.
 
     Limits (checked at the start of training, with a clear error): one process or DDP
-    (not FSDP, not ``save_on_each_node``), no DeepSpeed (its optimizer step runs inside ``backward``,
-    before any fence could be waited on), no ``load_best_model_at_end`` (the Trainer
-    tracks the best checkpoint inside the save this callback replaces). With
-    ``push_to_hub`` the checkpoints are not pushed (a warning says so). Other callbacks'
-    ``on_save`` is not called for these saves.
+    (not FSDP, not ``save_on_each_node``), no DeepSpeed (its optimizer step runs inside
+    ``backward``, before any fence could be waited on), a ``Trainer`` whose class keeps
+    the stock ``_save_checkpoint`` (an override would be bypassed). With ``push_to_hub``
+    the checkpoints are not pushed (a warning says so).
     """
 
     def __init__(
@@ -140,9 +198,15 @@ class AioPersistCallback(TrainerCallback):
         self.mode = mode
         self.snapshot_bytes = snapshot_bytes
         self._ckpt: BlockingCheckpointer | None = None
+        self._trainer: Trainer | None = None
+        self._jit_manager: Any = None
         self._handle: BlockingSaveHandle | None = None
-        self._deleter: threading.Thread | None = None
+        # Waits for the save in flight to commit, then rotates; each one joins the one before.
+        self._committer: threading.Thread | None = None
         self._group: Any = None
+        # The checkpoints this training has started to save (on every rank): a save in
+        # flight has no directory yet, but counts as one for the best checkpoint.
+        self._started: set[str] = set()
         self.saved: list[str] = []
         """Paths of the checkpoints committed so far, oldest first."""
         self.infos: list[SaveInfo] = []
@@ -165,37 +229,48 @@ class AioPersistCallback(TrainerCallback):
                     "AioPersistCallback does not support save_on_each_node: process 0 writes the checkpoint, "
                     "with every rank's RNG state"
                 )
-            # Process 0 writes every checkpoint alone, in a group of its own. Making the group
-            # is a collective, so every rank makes it here, even when it never saves.
-            coord = coordinator()
-            assert coord is not None
-            self._group = process0_group(coord)
         if getattr(args, "deepspeed", None):
             raise ValueError(
                 "AioPersistCallback cannot be used with DeepSpeed: its optimizer step runs inside "
                 "backward(), so there is no point before it where the fence could be waited on"
             )
-        if args.load_best_model_at_end:
+        trainer = _running_trainer(self)
+        if type(trainer)._save_checkpoint is not Trainer._save_checkpoint:
             raise ValueError(
-                "AioPersistCallback does not support load_best_model_at_end: the Trainer tracks the best "
-                "checkpoint inside the save this callback takes over"
+                f"AioPersistCallback replaces Trainer._save_checkpoint, which {type(trainer).__name__} "
+                "overrides: its own save would be bypassed"
             )
+        if args.world_size > 1:
+            # Process 0 writes every checkpoint alone, in a group of its own. Making the group
+            # is a collective, so every rank makes it here, even when it never saves.
+            coord = coordinator()
+            assert coord is not None
+            self._group = process0_group(coord)
         if args.push_to_hub:
             log.warning("aiopersist: checkpoints saved by AioPersistCallback are not pushed to the Hub")
         if self._ckpt is None:
             self._ckpt = BlockingCheckpointer(
                 backend=self.backend, mode=self.mode, snapshot_bytes=self.snapshot_bytes
             )
+        self._settle_previous_run()
+        if args.should_save and args.output_dir:
+            _remove_leftovers(str(args.output_dir))
+        self._started = set()
+        self._attach(trainer)
 
-    def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self._maybe_save(args, state, control, **kwargs)
-
-    def on_epoch_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self._maybe_save(args, state, control, **kwargs)
+    def _settle_previous_run(self) -> None:
+        """A ``train()`` that raised never reached ``on_train_end``: its last save may still
+        be in flight. Wait for it here, so that it neither races the cleanup below nor
+        raises its error into this run's first save."""
+        handle, self._handle = self._handle, None
+        committer, self._committer = self._committer, None
+        if handle is not None:
+            try:
+                handle.wait()
+            except Exception as exc:
+                log.warning("aiopersist: the last save of the previous training run failed: %s", exc)
+        if committer is not None:
+            committer.join()
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -203,73 +278,144 @@ class AioPersistCallback(TrainerCallback):
         if self._handle is not None:
             self._handle.wait_staged()  # the fence: raises the save's error, if any
 
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # The last epoch's end: what follows (the epoch's own save, if any, then the end of
+        # training, with load_best_model_at_end) must find the checkpoints complete.
+        if control.should_training_stop:
+            self._drain(args)
+
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         try:
-            self._finish_last(args)
+            self._drain(args)
         finally:
-            if self._deleter is not None:
-                self._deleter.join()
+            self._detach()
             if self._ckpt is not None:
                 self._ckpt.close()
                 self._ckpt = None
 
-    # -- the save -------------------------------------------------------------------------
+    # -- the Trainer's save, taken over -----------------------------------------------------
 
-    def _maybe_save(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: Any = None,
-        optimizer: Any = None,
-        lr_scheduler: Any = None,
-        processing_class: Any = None,
-        **_: Any,
-    ) -> None:
-        if not control.should_save:
+    def _attach(self, trainer: Trainer) -> None:
+        """Route ``trainer``'s checkpoint saves, and its just-in-time checkpoints, here."""
+        self._trainer = trainer
+        # An instance attribute shadows the class's method: the Trainer's own calls
+        # (self._save_checkpoint) and the JIT manager's reach it; other Trainers do not.
+        vars(trainer)["_save_checkpoint"] = functools.partial(self._save_checkpoint, trainer)
+        for cb in trainer.callback_handler.callbacks:
+            manager = getattr(cb, "jit_manager", None)
+            if type(cb).__name__ == "JITCheckpointCallback" and manager is not None:
+                vars(manager)["execute_jit_checkpoint"] = functools.partial(
+                    self._jit_checkpoint, trainer, manager
+                )
+                self._jit_manager = manager
+
+    def _detach(self) -> None:
+        if self._trainer is not None:
+            vars(self._trainer).pop("_save_checkpoint", None)
+            self._trainer = None
+        if self._jit_manager is not None:
+            vars(self._jit_manager).pop("execute_jit_checkpoint", None)
+            self._jit_manager = None
+
+    def _save_checkpoint(self, trainer: Trainer, model: Any, trial: Any) -> None:
+        """``Trainer._save_checkpoint``, step for step, with aiopersist doing the writing."""
+        if self._ckpt is None or self not in trainer.callback_handler.callbacks:
+            # Left behind on a Trainer whose training ended with an error (on_train_end never
+            # ran) and that no longer runs this callback: nothing would wait on the fence.
+            Trainer._save_checkpoint(trainer, model, trial)
             return
-        control_state = control.state()  # as the Trainer's own save would record it
-        control.should_save = False  # the Trainer's own save is taken over
+        t = cast(Any, trainer)  # transformers leaves these methods unannotated
+        args, state = trainer.args, trainer.state
+        if t.hp_search_backend is None and trial is None:
+            t.store_flos()
+        run_dir = str(t._get_output_dir(trial=trial))
+        path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        self._record_best(args, state, run_dir, path)
         rng_files = self._gather_rng_states(args)  # every rank takes part; process 0 gets them
-        if not args.should_save or self._ckpt is None or model is None:
+        if args.should_save:
+            _export_callback_states(trainer)
+            files = self._checkpoint_files(trainer, rng_files)
+            previous, self._handle = self._handle, None
+            if previous is not None:
+                # The save would wait for it anyway (one in flight); its error is raised here.
+                previous.wait()
+            # Under DDP process 0 writes alone, in a group of its own: no other rank takes part.
+            handle = self._ckpt.save(
+                trainer.model, path, overwrite=True, extra_files=files, group=self._group
+            )
+            self._handle = handle
+            self._committer = threading.Thread(
+                target=self._commit,
+                args=(handle, self._committer, run_dir, args.save_total_limit, state.best_model_checkpoint),
+                name="aiopersist-commit",
+                daemon=True,
+            )
+            self._committer.start()
+        self._started.add(path)
+        if trainer.control.should_training_stop:
+            # Nothing overlaps the last save: what comes next (load_best_model_at_end, the
+            # stock cleanup of save_total_limit=1, the caller) needs it complete.
+            self._drain(args)
+
+    def _jit_checkpoint(self, trainer: Trainer, manager: Any) -> None:
+        """``CheckpointManager.execute_jit_checkpoint`` (``enable_jit_checkpoint``), taken
+        over: the stock one creates ``checkpoint-N`` and a sentinel file in it, then saves
+        into it, which would write into a checkpoint this callback committed. Here a
+        checkpoint of this step already started is waited for; otherwise one is saved.
+        Either way it is durable when this returns, as the stock JIT save is."""
+        manager.is_checkpoint_requested = False  # one checkpoint per request, as the stock one
+        step = trainer.state.global_step
+        path = os.path.join(
+            str(cast(Any, trainer)._get_output_dir(trial=None)), f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        )
+        log.info("aiopersist: just-in-time checkpoint at step %d", step)
+        if path not in self._started:
+            self._save_checkpoint(trainer, trainer.model, None)
+        self._drain(trainer.args)
+
+    def _record_best(self, args: TrainingArguments, state: TrainerState, run_dir: str, path: str) -> None:
+        """``state.best_model_checkpoint`` as the stock save sets it: the best step's
+        checkpoint, if it exists. The stock save checks the disk after writing (and a
+        barrier under DDP); here the checkpoint being saved, and those in flight, count as
+        existing on every rank."""
+        step = getattr(state, "best_global_step", None)
+        if args.save_strategy not in _TRACKS_BEST or not step:
             return
-        path = os.path.join(_output_dir(args), f"checkpoint-{state.global_step}")
-        extra: dict[str, bytes | TorchSave] = {}
-        config = getattr(model, "config", None)
-        if config is not None:
-            extra["config.json"] = config.to_json_string().encode()
-        generation = getattr(model, "generation_config", None)
-        if generation is not None and getattr(model, "can_generate", lambda: False)():
-            extra["generation_config.json"] = generation.to_json_string().encode()
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if best == path or best in self._started or os.path.exists(best):
+            state.best_model_checkpoint = best
+
+    def _checkpoint_files(
+        self, trainer: Trainer, rng_files: dict[str, bytes]
+    ) -> dict[str, bytes | TorchSave]:
+        """Every file of the checkpoint but the weights, as the stock save writes them."""
+        args, state = trainer.args, trainer.state
+        files: dict[str, bytes | TorchSave] = _model_files(trainer.model)
         if not args.save_only_model:
-            if optimizer is not None:
-                extra["optimizer.pt"] = TorchSave(optimizer.state_dict())
-            if lr_scheduler is not None:
-                extra["scheduler.pt"] = _torch_bytes(lr_scheduler.state_dict())
-            # The Trainer's GradScaler (fp16 on GPU) hangs on its AcceleratedOptimizer.
-            scaler = getattr(optimizer, "scaler", None)
+            if trainer.optimizer is not None:
+                files["optimizer.pt"] = TorchSave(trainer.optimizer.state_dict())
+            if trainer.lr_scheduler is not None:
+                files["scheduler.pt"] = _torch_bytes(trainer.lr_scheduler.state_dict())
+            scaler = getattr(trainer.accelerator, "scaler", None)  # fp16 on GPU
             if scaler is not None:
-                extra["scaler.pt"] = _torch_bytes(scaler.state_dict())
-            extra.update(rng_files)
-        # As the Trainer's own save does (the field is a dict once the state is built).
-        trainer_state = cast(Any, state)
-        if trainer_state.stateful_callbacks is None:
-            trainer_state.stateful_callbacks = {}
-        trainer_state.stateful_callbacks["TrainerControl"] = control_state
-        extra["trainer_state.json"] = (
-            json.dumps(_state_dict(state), indent=2, sort_keys=True) + "\n"
+                files["scaler.pt"] = _torch_bytes(scaler.state_dict())
+            files.update(rng_files)
+        # As TrainerState.save_to_json writes it, at this moment: later steps change the state.
+        files["trainer_state.json"] = (
+            json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
         ).encode()
-        extra["training_args.bin"] = _torch_bytes(args)
-        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
-            extra.update(_processing_files(processing_class))
-        previous = self._handle
-        # Waits here for the previous save if it is still being written (one in flight).
-        # Under DDP process 0 writes alone, in a group of its own: no other rank takes part.
-        self._handle = self._ckpt.save(model, path, overwrite=True, extra_files=extra, group=self._group)
-        if previous is not None:
-            self._committed(args, previous)
+        files["training_args.bin"] = _torch_bytes(args)
+        tokenizer = trainer.processing_class
+        if tokenizer is None:
+            # As Trainer._save: the data collator's tokenizer when there is no processing class.
+            tokenizer = getattr(trainer.data_collator, "tokenizer", None)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            files.update(_processing_files(tokenizer))
+        return files
 
     def _gather_rng_states(self, args: TrainingArguments) -> dict[str, bytes]:
         """The ``rng_state*.pth`` files the Trainer's own save writes: ``rng_state.pth`` in
@@ -290,13 +436,25 @@ class AioPersistCallback(TrainerCallback):
             return {}
         return {f"rng_state_{i}.pth": cast(bytes, b) for i, b in enumerate(everyone)}
 
-    def _finish_last(self, args: TrainingArguments) -> None:
-        if self._handle is not None:
-            handle, self._handle = self._handle, None
-            self._committed(args, handle)
+    # -- after the save ---------------------------------------------------------------------
 
-    def _committed(self, args: TrainingArguments, handle: BlockingSaveHandle) -> None:
-        info = handle.wait()  # raises the save's error
+    def _commit(
+        self,
+        handle: BlockingSaveHandle,
+        before: threading.Thread | None,
+        run_dir: str,
+        limit: int | None,
+        best: str | None,
+    ) -> None:
+        """In the background: wait for the save to commit, then apply ``save_total_limit``
+        with the best checkpoint of that save's moment, as the stock save does right after
+        writing. A failed save is left to the training thread, which raises its error."""
+        if before is not None:
+            before.join()  # commits are recorded, and rotations run, in order
+        try:
+            info = handle.wait()
+        except BaseException:
+            return
         if info is None:
             return
         self.saved.append(info.path)
@@ -304,36 +462,96 @@ class AioPersistCallback(TrainerCallback):
         log.info(
             "aiopersist: %s committed (%.2f s, %.2f GiB/s)", info.path, info.seconds, info.gib_per_second
         )
-        self._rotate(args)
+        if limit is not None and limit > 0:
+            _delete_all(to_rotate(_checkpoints(run_dir), limit, best))
 
-    def _rotate(self, args: TrainingArguments) -> None:
-        """``save_total_limit``, by step number: only complete checkpoints count (see
-        `to_rotate`)."""
-        limit = args.save_total_limit
-        if not limit or limit < 1:
-            return
-        doomed = to_rotate(_checkpoints(_output_dir(args)), limit)
-        if not doomed:
-            return
-        if self._deleter is not None:
-            self._deleter.join()
-        self._deleter = threading.Thread(
-            target=_delete_all, args=(doomed,), name="aiopersist-rotate", daemon=True
-        )
-        self._deleter.start()
-
-
-def _output_dir(args: TrainingArguments) -> str:
-    if not args.output_dir:
-        raise ValueError("AioPersistCallback needs TrainingArguments.output_dir")
-    return str(args.output_dir)
+    def _drain(self, args: TrainingArguments) -> None:
+        """Wait until the save in flight is durable (raising its error) and rotated; under
+        DDP every rank then waits for process 0, so that none reads a checkpoint (the best
+        model) before it is there."""
+        handle, self._handle = self._handle, None
+        committer, self._committer = self._committer, None
+        try:
+            try:
+                if handle is not None:
+                    handle.wait()
+            finally:
+                if committer is not None:
+                    committer.join()
+        finally:
+            if args.world_size > 1:
+                coord = coordinator()
+                assert coord is not None
+                torch.distributed.barrier(group=coord.group)
 
 
-def _state_dict(state: TrainerState) -> dict[str, Any]:
-    """What ``TrainerState.save_to_json`` writes."""
-    import dataclasses
+_LEFTOVER_RE = re.compile(
+    rf"^\.{PREFIX_CHECKPOINT_DIR}-\d+({re.escape(TMP_MARKER)}|{re.escape(TRASH_MARKER)})"
+)
 
-    return dataclasses.asdict(state)
+
+def _remove_leftovers(run_dir: str) -> None:
+    """Remove what saves and rotations of an earlier run left when its process died
+    (``.checkpoint-N.aiopersist-tmp-*``, ``.checkpoint-N.aiopersist-trash-*``): nothing is
+    writing them now, since this process writes every checkpoint of the run."""
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if _LEFTOVER_RE.match(name):
+            path = os.path.join(run_dir, name)
+            log.info("aiopersist: removing %s, left by an interrupted save or deletion", path)
+            remove_path(path)
+
+
+def _running_trainer(callback: AioPersistCallback) -> Trainer:
+    """The Trainer whose ``train()`` is calling ``callback`` now: a caller's ``self`` that is
+    a Trainer holding this callback."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Trainer) and any(
+                cb is callback for cb in candidate.callback_handler.callbacks
+            ):
+                return candidate
+            frame = frame.f_back
+    finally:
+        del frame
+    raise ValueError(
+        "AioPersistCallback must be passed to a transformers Trainer (callbacks=[...]) and run by its "
+        "train(); no Trainer holding it is calling it"
+    )
+
+
+def _export_callback_states(trainer: Trainer) -> None:
+    """As the stock save does before writing ``trainer_state.json``: the state of every
+    ``ExportableState`` callback, and of the ``TrainerControl``, as it is now."""
+    stateful = cast(dict[str, Any], trainer.state.stateful_callbacks)
+    for cb in [*trainer.callback_handler.callbacks, trainer.control]:
+        if isinstance(cb, ExportableState):
+            name = type(cb).__name__
+            if isinstance(stateful[name], list):
+                stateful[name].append(cb.state())
+            else:
+                stateful[name] = cb.state()
+
+
+def _model_files(model: Any) -> dict[str, bytes | TorchSave]:
+    """``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them
+    (nothing for a model that is not a ``PreTrainedModel``: the stock save writes its
+    weights alone)."""
+    if not isinstance(model, PreTrainedModel):
+        return {}
+    # save_pretrained records these in the model's own config before writing it.
+    config = cast(Any, model.config)
+    config.dtype = str(model.dtype).split(".")[1]
+    config.architectures = [type(model).__name__]
+    files: dict[str, bytes | TorchSave] = {"config.json": config.to_json_string().encode()}
+    if model.can_generate():
+        files["generation_config.json"] = cast(Any, model.generation_config).to_json_string().encode()
+    return files
 
 
 def _processing_files(processing_class: Any) -> dict[str, bytes | TorchSave]:
