@@ -48,6 +48,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "C64": torch.complex64,
 }
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
+DTYPES: Mapping[str, torch.dtype] = _DTYPES
+"""safetensors dtype names to torch dtypes (read only)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -62,6 +62,33 @@ def _marker(node: dict[str, Any]) -> str | None:
     return first if first in MARKERS else None
 
 
+_Trail = tuple[Any, ...] | None
+"""Where a node is, as a linked list ``(parent_trail, step)``: a path string is only made
+for an error (a skeleton can hold a million nodes)."""
+
+
+class _Field(str):
+    """A step into a marker (``.state``, ``.key``, ``.value``), not a key of the data."""
+
+
+_STATE, _KEY, _VALUE = _Field("state"), _Field("key"), _Field("value")
+
+
+def _path(trail: _Trail) -> str:
+    steps: list[str] = []
+    while trail is not None:
+        trail, step = trail
+        steps.append(f".{step}" if isinstance(step, _Field) else f"[{step!r}]")
+    return "skeleton" + "".join(reversed(steps))
+
+
+_MARKER_SET = frozenset(MARKERS)
+
+
+def _bad(where: str, trail: _Trail, marker: str, why: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{where}: {_path(trail)}: bad {marker} entry ({why})")
+
+
 def check_skeleton(skeleton: Any, where: str, known: Callable[[str], bool]) -> list[str]:
     """Validate a skeleton read from disk; return the tensor names it refers to, in order.
 
@@ -70,60 +97,57 @@ def check_skeleton(skeleton: Any, where: str, known: Callable[[str], bool]) -> l
     hostile depth cannot exhaust the stack. Raises `CheckpointCorruptError` naming the
     place in the skeleton.
     """
-    refs: list[str] = []
-    stack: list[tuple[Any, str, int]] = [(skeleton, "skeleton", 0)]
+    found: list[str] = []
+    stack: list[tuple[Any, _Trail, int]] = [(skeleton, None, 0)]
     while stack:
-        node, path, depth = stack.pop()
+        node, trail, depth = stack.pop()
         if depth > MAX_SKELETON_DEPTH:
             raise CheckpointCorruptError(
-                f"{where}: {path}: nested deeper than {MAX_SKELETON_DEPTH} levels (damaged or hostile)"
+                f"{where}: {_path(trail)}: nested deeper than {MAX_SKELETON_DEPTH} levels "
+                "(damaged or hostile)"
             )
         if isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in reversed(list(enumerate(node))))
+            stack.extend((v, (trail, i), depth + 1) for i, v in reversed(list(enumerate(node))))
             continue
         if not isinstance(node, dict):
-            if isinstance(node, float) and node != node:  # pragma: no cover - strict JSON has no nan
-                raise CheckpointCorruptError(f"{where}: {path}: a bare nan")
             continue
-        marker = _marker(node)
-        if marker is None:
-            stack.extend((v, f"{path}[{k!r}]", depth + 1) for k, v in reversed(list(node.items())))
+        first = next(iter(node), None)
+        if first not in _MARKER_SET:
+            stack.extend((v, (trail, k), depth + 1) for k, v in reversed(list(node.items())))
             continue
-
-        def bad(why: str, marker: str = marker, path: str = path) -> CheckpointCorruptError:
-            return CheckpointCorruptError(f"{where}: {path}: bad {marker} entry ({why})")
-
+        marker = first
         value = node[marker]
+        if marker in REF_MARKERS and len(node) == 1 and isinstance(value, str) and known(value):
+            found.append(value)  # the common case, first
+            continue
         if marker in ("__module__", "__stateful__"):
-            if set(node) != {marker, "state"} or not isinstance(value, str):
-                raise bad("needs a class name and a state")
-            stack.append((node["state"], f"{path}.state", depth + 1))
+            if len(node) != 2 or "state" not in node or not isinstance(value, str):
+                raise _bad(where, trail, marker, "needs a class name and a state")
+            stack.append((node["state"], (trail, _STATE), depth + 1))
             continue
         if len(node) != 1:
-            raise bad(f"{len(node)} keys, expected 1")
+            raise _bad(where, trail, marker, f"{len(node)} keys, expected 1")
         if marker in REF_MARKERS:
-            if not isinstance(value, str) or not known(value):
-                raise bad(f"refers to unknown tensor {value!r}")
-            refs.append(value)
-        elif marker == "__tuple__":
+            raise _bad(where, trail, marker, f"refers to unknown tensor {value!r}")
+        if marker == "__tuple__":
             if not isinstance(value, list):
-                raise bad("not a list")
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in reversed(list(enumerate(value))))
+                raise _bad(where, trail, marker, "not a list")
+            stack.extend((v, (trail, i), depth + 1) for i, v in reversed(list(enumerate(value))))
         elif marker == "__dict__":
             if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
-                raise bad("not a list of [key, value] pairs")
+                raise _bad(where, trail, marker, "not a list of [key, value] pairs")
             for i, (k, v) in reversed(list(enumerate(value))):
-                stack.append((v, f"{path}[{i}].value", depth + 2))
-                stack.append((k, f"{path}[{i}].key", depth + 2))
+                stack.append((v, ((trail, i), _VALUE), depth + 2))
+                stack.append((k, ((trail, i), _KEY), depth + 2))
         elif marker == "__float__":
             if value not in _FLOATS:
-                raise bad(f"{value!r} is not one of {', '.join(_FLOATS)}")
+                raise _bad(where, trail, marker, f"{value!r} is not one of {', '.join(_FLOATS)}")
         elif marker == "__bytes__":
             if not isinstance(value, str):
-                raise bad("not base64 text")
+                raise _bad(where, trail, marker, "not base64 text")
         elif marker == "__pickle__" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise bad(f"{value!r} is not a non-negative integer")
-    return refs
+            raise _bad(where, trail, marker, f"{value!r} is not a non-negative integer")
+    return found
 
 
 def refs(skeleton: Any) -> list[tuple[str, str]]:
