@@ -38,7 +38,7 @@ BACKENDS = [
     pytest.param("io_uring", marks=pytest.mark.skipif(not URING_OK, reason="io_uring unavailable")),
 ]
 FUZZ = settings(
-    max_examples=int(os.environ.get("AIOPERSIST_FUZZ_EXAMPLES", "120")),
+    max_examples=int(os.environ.get("AIOPERSIST_FUZZ_EXAMPLES", "80")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=True,  # the same cases on every run: a failure is reproducible
