@@ -186,17 +186,17 @@ class _TorchSaveSink:
         return True
 
 
-def torch_save_to(obj: object, sink: Any, name: str, written: BaseException | None = None) -> None:
+def torch_save_to(obj: object, sink: Any, name: str) -> None:
     """``torch.save(obj, sink)`` for the extra file ``name``, with typed errors: what made a
-    ``write`` fail (a full disk; given as ``written``, or the sink's own ``error``) rather
-    than torch's wrapper of it, and `UnsupportedStateError` for what torch cannot
-    serialize (unpicklable objects, absurd nesting)."""
+    ``write`` fail (a full disk: the sink's ``error``) rather than torch's wrapper of it,
+    and `UnsupportedStateError` for what torch cannot serialize (unpicklable objects,
+    absurd nesting)."""
     try:
         torch.save(obj, sink)
     except MemoryError:
         raise
     except Exception as exc:
-        cause = written if written is not None else getattr(sink, "error", None)
+        cause = getattr(sink, "error", None)
         if cause is not None:
             raise cause from None
         raise UnsupportedStateError(

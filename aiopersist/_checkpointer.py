@@ -45,7 +45,7 @@ from ._backends import IOBackend, create_backend
 from ._commit import remove_path
 from ._direct import AlignedBuffer, copy_bytes
 from ._dist import Coordinator, coordinator
-from ._exceptions import AiopersistError, ClosedError, from_os_error, maps_os_errors
+from ._exceptions import AiopersistError, ClosedError, maps_os_errors, typed_error
 from ._flatten import Flattened, StoredTensor, flatten
 from ._locate import PathArg, checkpoint_paths
 from ._parallel import save_spread
@@ -397,10 +397,7 @@ class Checkpointer:
                     extra_files=extra_files,
                 )
         except BaseException as exc:
-            error: BaseException | None = exc
-            if isinstance(exc, OSError) and not isinstance(exc, AiopersistError):
-                error = from_os_error(exc, "save")  # the handle's error is typed, like save()'s
-                error.__cause__ = exc
+            error: BaseException | None = typed_error(exc, "save")  # typed on the handle, like save()'s
         else:
             error = None
         finally:

@@ -10,7 +10,6 @@ leftover temporary directories carry `TMP_MARKER` in their name.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import errno
@@ -21,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import cast
 
-from ._backends import wait_uncancellable
+from ._backends import to_thread_to_the_end
 from ._exceptions import CheckpointExistsError, from_os_error, io_error
 
 TMP_MARKER = ".aiopersist-tmp-"
@@ -202,9 +201,10 @@ def make_temp(final: str | os.PathLike[str], overwrite: bool) -> PendingDirector
     return PendingDirectory(tmp, target)
 
 
-def _remove_empty(pending: PendingDirectory) -> None:
+def remove_empty_directory(path: str) -> None:
+    """Remove a directory just made and still empty (one system call); quietly."""
     with contextlib.suppress(OSError):
-        os.rmdir(pending.tmp)  # just made, still empty: one system call
+        os.rmdir(path)
 
 
 @contextlib.asynccontextmanager
@@ -222,22 +222,18 @@ async def atomic_directory(
     A replaced checkpoint is handed to ``discard`` (called in a worker thread; it deletes
     it at once by default), once the new one is durable.
     """
-    # Uncancellable: a cancellation while the thread makes the directory would leave it
+    # To its end: a cancellation while the thread makes the directory would leave it
     # behind; it is removed instead.
-    pending = await wait_uncancellable(
-        asyncio.ensure_future(asyncio.to_thread(make_temp, final, overwrite)), discard=_remove_empty
+    pending = await to_thread_to_the_end(
+        make_temp, final, overwrite, discard=lambda made: remove_empty_directory(made.tmp)
     )
     try:
         yield pending
         # Publication runs to its end even if we are cancelled meanwhile: the worker
         # thread would go on renaming while the cleanup below deleted its files.
-        await wait_uncancellable(
-            asyncio.ensure_future(asyncio.to_thread(publish, pending.tmp, pending.final, overwrite, discard))
-        )
+        await to_thread_to_the_end(publish, pending.tmp, pending.final, overwrite, discard)
     except BaseException:
         # In a thread (a deletion can take long), waited for even if cancelled again.
         with contextlib.suppress(BaseException):
-            await wait_uncancellable(
-                asyncio.ensure_future(asyncio.to_thread(shutil.rmtree, pending.tmp, ignore_errors=True))
-            )
+            await to_thread_to_the_end(shutil.rmtree, pending.tmp, True)  # ignore_errors
         raise

@@ -142,6 +142,17 @@ def from_os_error(
     return io_error(err, call, filename if filename is not None else exc.filename)
 
 
+def typed_error(exc: BaseException, call: str) -> BaseException:
+    """``exc`` as aiopersist raises it: an ``OSError`` that is not aiopersist's own becomes a
+    `CheckpointIOError` naming ``call``, caused by ``exc``; anything else is returned as is.
+    For errors handed over rather than raised (on a save's handle, a future)."""
+    if not isinstance(exc, OSError) or isinstance(exc, AiopersistError):
+        return exc
+    typed = from_os_error(exc, call)
+    typed.__cause__ = exc
+    return typed
+
+
 @contextlib.contextmanager
 def mapped_os_errors(call: str) -> Iterator[None]:
     """Turn an ``OSError`` that is not aiopersist's own into a `CheckpointIOError` naming

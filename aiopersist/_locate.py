@@ -28,8 +28,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._direct import DirectIOInfo, probe_file_for_read
-from ._exceptions import CheckpointCorruptError, CheckpointNotFoundError, from_os_error
-from ._manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_index, parse_manifest
+from ._exceptions import AiopersistError, CheckpointCorruptError, CheckpointNotFoundError, from_os_error
+from ._manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    PART_PREFIX,
+    FileRecord,
+    Manifest,
+    parse_index,
+    parse_manifest,
+)
 
 MODEL_FILE = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
@@ -150,6 +158,28 @@ def read_manifest(directory: str) -> Manifest:
     looked at)."""
     mpath = os.path.join(directory, MANIFEST_NAME)
     return parse_manifest(read_small(mpath, MAX_MANIFEST_BYTES), mpath)
+
+
+def part_dir(directory: str, token: str) -> str:
+    """The part directory of the save ``token`` in ``directory`` (one disk's place for the
+    checkpoint)."""
+    return os.path.join(directory, f"{PART_PREFIX}{token}")
+
+
+def own_parts(paths: Sequence[str], token: str | None) -> list[str]:
+    """The part directories of the save ``token`` in the directories ``paths[1:]`` (the
+    places a save to ``paths`` put them): found by the token, never at a path a manifest
+    gives."""
+    return [] if token is None else [part_dir(p, token) for p in paths[1:]]
+
+
+def token_at(directory: str) -> str | None:
+    """The save token of the checkpoint at ``directory`` (``None``: none there, one
+    directory only, or a manifest that cannot be read)."""
+    try:
+        return read_manifest(directory).token
+    except (AiopersistError, OSError):
+        return None
 
 
 def part_places(primary: str, manifest: Manifest, given: Sequence[str] = ()) -> tuple[str, ...]:

@@ -66,12 +66,11 @@ from ._exceptions import (
     ClosedError,
     DirectoryInUseError,
     from_os_error,
-    mapped_os_errors,
     maps_os_errors,
+    typed_error,
 )
-from ._locate import READ_FLAGS, PathArg, checkpoint_paths, file_problem, locate, read_manifest
+from ._locate import READ_FLAGS, PathArg, checkpoint_paths, file_problem, locate, own_parts, token_at
 from ._manifest import MANIFEST_NAME, PART_RE, dump_manifest
-from ._parallel import PART_PREFIX
 from ._stream import CudaReady
 
 log = logging.getLogger("aiopersist")
@@ -191,10 +190,11 @@ def check_step(path: PathArg) -> tuple[bool, int, str | None]:
     Never raises for a damaged checkpoint: whatever is wrong is the answer."""
     try:
         loc = locate(path)
-    except Exception as exc:  # a damaged step is reported, never allowed to stop a listing
-        if not isinstance(exc, AiopersistError | OSError):
-            log.debug("aiopersist: checking %s raised", path, exc_info=True)
-        return False, 0, f"{type(exc).__name__}: {exc}" if not isinstance(exc, AiopersistError) else str(exc)
+    except AiopersistError as exc:
+        return False, 0, str(exc)
+    except Exception as exc:  # whatever it is, a damaged step is reported, never stops a listing
+        log.debug("aiopersist: checking %s raised", path, exc_info=True)
+        return False, 0, f"{type(exc).__name__}: {exc}"
     if loc.manifest is None:
         return False, 0, f"no {MANIFEST_NAME}"
     return True, sum(loc.sizes.values()), None
@@ -244,22 +244,6 @@ def to_delete(
     return [s for s in ordered if s not in keep]
 
 
-def own_parts(paths: Sequence[str], token: str | None) -> list[str]:
-    """The part directories of the save ``token`` in the directories ``paths[1:]`` (the
-    places a save to ``paths`` put them): found by the token, never by a path a manifest
-    supplies."""
-    if token is None:
-        return []
-    return [os.path.join(p, f"{PART_PREFIX}{token}") for p in paths[1:]]
-
-
-def _token_of(primary: str) -> str | None:
-    try:
-        return read_manifest(primary).token
-    except (AiopersistError, OSError):
-        return None
-
-
 def delete_step(path: PathArg) -> None:
     """Delete a checkpoint, crash-safely: renamed to a trash name first (atomic), then its
     parts removed (those of its save in the directories after the first, when ``path`` is
@@ -269,7 +253,7 @@ def delete_step(path: PathArg) -> None:
     primary = paths[0]
     parent, name = os.path.split(primary)
     trash = os.path.join(parent, f".{name}{TRASH_MARKER}{uuid.uuid4().hex[:12]}")
-    parts = own_parts(paths, _token_of(primary)) if len(paths) > 1 else []
+    parts = own_parts(paths, token_at(primary)) if len(paths) > 1 else []
     try:
         os.rename(primary, trash)
     except FileNotFoundError:
@@ -316,7 +300,7 @@ def clean_leftovers(directories: Sequence[str]) -> list[str]:
                     continue
                 checkpoint = os.path.join(primary, name)
                 if os.path.lexists(checkpoint):
-                    wanted = _token_of(checkpoint)
+                    wanted = token_at(checkpoint)
                     if wanted is None:
                         log.warning(
                             "aiopersist: %s cannot be read; its parts in %s are left alone", checkpoint, extra
@@ -607,10 +591,6 @@ class CheckpointManager:
         return managed
 
     async def _after(self, managed: ManagedSaveHandle) -> None:
-        with mapped_os_errors("CheckpointManager (retention and mirror)"):
-            await self._after_commit(managed)
-
-    async def _after_commit(self, managed: ManagedSaveHandle) -> None:
         mirrored = managed.mirrored
         try:
             try:
@@ -805,9 +785,5 @@ def _fail_quietly(fut: asyncio.Future[Any], exc: BaseException) -> None:
     if isinstance(exc, asyncio.CancelledError):
         fut.cancel()
         return
-    if isinstance(exc, OSError) and not isinstance(exc, AiopersistError):
-        typed = from_os_error(exc, "CheckpointManager (retention and mirror)")
-        typed.__cause__ = exc
-        exc = typed
-    fut.set_exception(exc)
+    fut.set_exception(typed_error(exc, "CheckpointManager (retention and mirror)"))
     fut.exception()  # the error is on the handle for whoever asks; asyncio need not log it

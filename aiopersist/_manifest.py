@@ -238,7 +238,8 @@ MAX_SIZE = 1 << 62
 """Largest byte count, offset or dimension a manifest or header may state."""
 MAX_WORLD_SIZE = 1 << 20
 LAYOUTS = ("state", "hf-model")
-PART_RE = re.compile(r"^part-([0-9a-f]{8,64})$")
+PART_PREFIX = "part-"
+PART_RE = re.compile(rf"^{PART_PREFIX}([0-9a-f]{{8,64}})$")
 """The last component of a part directory: ``part-<token>``, the token of the save."""
 
 

@@ -38,12 +38,18 @@ from typing import Any
 import torch
 
 from ._api import SaveInfo, countdown, write_file
-from ._backends import IOBackend, to_thread_to_the_end, wait_uncancellable
-from ._commit import TMP_MARKER, fsync_directory, make_directories, publish, remove_path
+from ._backends import IOBackend, to_thread_to_the_end
+from ._commit import (
+    TMP_MARKER,
+    fsync_directory,
+    make_directories,
+    publish,
+    remove_empty_directory,
+    remove_path,
+)
 from ._direct import probe_directory
 from ._dist import Coordinator
 from ._exceptions import (
-    AiopersistError,
     CheckpointExistsError,
     StateMismatchError,
     UnsupportedStateError,
@@ -51,9 +57,10 @@ from ._exceptions import (
 )
 from ._flatten import Flattened, ViewSpec
 from ._format import dtype_name, layout_file
-from ._locate import read_manifest
+from ._locate import own_parts, part_dir, token_at
 from ._manifest import (
     MANIFEST_NAME,
+    PART_PREFIX,
     FileRecord,
     Manifest,
     RankState,
@@ -69,7 +76,6 @@ from ._staging import StagingPool
 from ._stream import PartHasher, run_all
 
 Replicated = bool | Callable[[str], bool] | None
-PART_PREFIX = "part-"
 
 
 # -- describing and planning (pure) ------------------------------------------------------------
@@ -333,10 +339,6 @@ def _primary_tmp(final: str, token: str) -> str:
     return os.path.join(os.path.dirname(final), f".{os.path.basename(final)}{TMP_MARKER}{token}")
 
 
-def _part_dir(path: str, token: str) -> str:
-    return os.path.join(path, f"{PART_PREFIX}{token}")
-
-
 def _make_primary(final: str, token: str, overwrite: bool) -> str:
     if os.path.lexists(final) and not overwrite:
         raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
@@ -349,26 +351,10 @@ def _make_primary(final: str, token: str, overwrite: bool) -> str:
     return tmp
 
 
-def _remove_primary(tmp: str) -> None:
-    with contextlib.suppress(OSError):
-        os.rmdir(tmp)  # just made, still empty
-
-
-def _token_at(final: str) -> str | None:
-    """The save token of the checkpoint at ``final`` (``None``: none there, or unreadable)."""
-    try:
-        return read_manifest(final).token
-    except (AiopersistError, OSError):
-        return None
-
-
 def _old_parts(final: str, paths: Sequence[str]) -> list[str]:
     """The parts of the checkpoint at ``final`` in the directories of this save (to go with
     it when it is replaced): found by its token, never where its manifest points."""
-    token = _token_at(final)
-    if token is None:
-        return []
-    return [_part_dir(p, token) for p in paths[1:]]
+    return own_parts(paths, token_at(final))
 
 
 async def save_spread(
@@ -416,11 +402,8 @@ async def save_spread(
         tensors = describe(flat, rank, world, replicated)
         local_rank = coord.local_rank if coord is not None else 0
         if rank == 0:
-            # Uncancellable: a cancellation while the thread makes it would leave it behind.
-            await wait_uncancellable(
-                asyncio.ensure_future(asyncio.to_thread(_make_primary, final, token, overwrite)),
-                discard=_remove_primary,
-            )
+            # To its end: a cancellation while the thread makes it would leave it behind.
+            await to_thread_to_the_end(_make_primary, final, token, overwrite, discard=remove_empty_directory)
         desc = RankDesc(rank, local_rank, tensors, rank_state(flat, tensors), token)
     except Exception as exc:
         error = exc
@@ -489,11 +472,7 @@ async def _write_mine(
         dirs: dict[int, str] = {}
         for f in mine:
             if f.directory not in dirs:
-                d = (
-                    _primary_tmp(paths[0], token)
-                    if f.directory == 0
-                    else _part_dir(paths[f.directory], token)
-                )
+                d = _primary_tmp(paths[0], token) if f.directory == 0 else part_dir(paths[f.directory], token)
                 await to_thread_to_the_end(make_directories, d)  # the abort must come after
                 dirs[f.directory] = d
         probes = {i: await to_thread_to_the_end(probe_directory, d) for i, d in dirs.items()}
@@ -542,7 +521,7 @@ async def _commit(
     discard: Callable[[str], None] | None,
 ) -> None:
     tmp = _primary_tmp(final, token)
-    parts = [_part_dir(p, token) for p in paths[1:]]
+    parts = own_parts(paths, token)
     files: dict[str, FileRecord] = {}
     whole: dict[str, TensorRecord] = {}
     slices: dict[str, list[SliceRecord]] = {}
@@ -600,15 +579,15 @@ async def _commit(
                 fsync_directory(part)
         publish(tmp, final, overwrite, discard or remove_path)
 
-    await wait_uncancellable(asyncio.ensure_future(asyncio.to_thread(durable_and_published)))
+    await to_thread_to_the_end(durable_and_published)
 
 
 def _abort(final: str, token: str, paths: Sequence[str]) -> None:
     """Remove what a failed save wrote, unless its rename already published it (a failure
     after the rename, e.g. of the parent's fsync, leaves a visible checkpoint whose parts
     must stay)."""
-    parts = [_part_dir(p, token) for p in paths[1:]]
-    published = _token_at(final) == token
+    parts = own_parts(paths, token)
+    published = token_at(final) == token
     _remove_all([_primary_tmp(final, token)] + ([] if published else parts))
 
 

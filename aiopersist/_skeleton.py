@@ -57,9 +57,12 @@ recursive walk could overflow the stack."""
 _FLOATS = ("nan", "inf", "-inf")
 
 
+_MARKER_SET = frozenset(MARKERS)
+
+
 def _marker(node: dict[str, Any]) -> str | None:
     first = next(iter(node), None)
-    return first if first in MARKERS else None
+    return first if first in _MARKER_SET else None
 
 
 _Trail = tuple[Any, ...] | None
@@ -80,9 +83,6 @@ def _path(trail: _Trail) -> str:
         trail, step = trail
         steps.append(f".{step}" if isinstance(step, _Field) else f"[{step!r}]")
     return "skeleton" + "".join(reversed(steps))
-
-
-_MARKER_SET = frozenset(MARKERS)
 
 
 def _bad(where: str, trail: _Trail, marker: str, why: str) -> CheckpointCorruptError:

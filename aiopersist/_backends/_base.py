@@ -43,11 +43,14 @@ async def wait_uncancellable(fut: asyncio.Future[T], discard: Callable[[T], obje
         return result
 
 
-async def to_thread_to_the_end(fn: Callable[..., T], /, *args: object) -> T:
+async def to_thread_to_the_end(
+    fn: Callable[..., T], /, *args: object, discard: Callable[[T], object] | None = None
+) -> T:
     """``asyncio.to_thread(fn, *args)``, awaited to its end even if the caller is cancelled
-    meanwhile (then ``CancelledError`` follows): for work whose effects the caller's
-    cleanup must come after, such as a directory it makes or a buffer it reads."""
-    return await wait_uncancellable(asyncio.ensure_future(asyncio.to_thread(fn, *args)))
+    meanwhile (then ``CancelledError`` follows, and ``discard`` gets the result it throws
+    away): for work whose effects the caller's cleanup must come after, such as a
+    directory it makes, a rename it publishes or a buffer it reads."""
+    return await wait_uncancellable(asyncio.ensure_future(asyncio.to_thread(fn, *args)), discard)
 
 
 def _discard(fut: asyncio.Future[T], discard: Callable[[T], object] | None) -> None:
