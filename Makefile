@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo check bench clean
+.PHONY: setup test demo check bench clean gpu-bundle
 
 setup:
 	@bash scripts/setup.sh
@@ -32,5 +32,10 @@ bench: setup
 	$(VENV)/bin/aiopersist bench load --dir bench-data --plot bench-data/load.png
 	$(VENV)/bin/aiopersist bench train --dir bench-data
 
+# Everything the lent GPU machine lacks for scripts/gpu-check.sh (docs/development.md).
+gpu-bundle: setup
+	@bash scripts/gpu-bundle.sh
+
 clean:
-	rm -rf build site bench-data .demo-data *.egg-info aiopersist/_native/_liburing*.so
+	rm -rf build site bench-data .demo-data *.egg-info aiopersist/_native/_liburing*.so \
+		.gpu-bundle .gpu-bundle-dry gpu-check-out

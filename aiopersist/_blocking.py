@@ -56,6 +56,11 @@ class BlockingSaveHandle:
         """Time the event loop spent starting the save (see `SaveHandle`)."""
         return self.handle.blocked_seconds
 
+    @property
+    def staged_seconds(self) -> float | None:
+        """As `SaveHandle.staged_seconds`: from the save call until the tensors were free."""
+        return self.handle.staged_seconds
+
     def wait_staged(self) -> None:
         """Block until the saved tensors may be mutated again (the fence)."""
         self._portal.call(_await, self.handle.staged)

@@ -79,6 +79,10 @@ class SaveHandle:
     skipped: bool = False
     blocked_seconds: float = field(default=0.0)
     """Time the caller spent inside `Checkpointer.save` before it returned."""
+    staged_seconds: float | None = field(default=None)
+    """Time from the `Checkpointer.save` call until ``staged`` resolved (``None`` until it
+    has, and for a save that failed before staging): in snapshot mode the copy out of the
+    live tensors, in fence mode about the whole write."""
 
     async def wait(self) -> SaveInfo | None:
         """Wait until durable; the `SaveInfo` (``None`` for a skipped save)."""
@@ -255,6 +259,11 @@ class Checkpointer:
         except BaseException:
             slot.release()
             raise
+        def staged_at(fut: asyncio.Future[None]) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                handle.staged_seconds = loop.time() - start
+
+        handle.staged.add_done_callback(staged_at)
         task = asyncio.ensure_future(
             self._run(
                 handle, slot, flat, planned, metadata, overwrite, spread, extra_files, ready, extras, total
@@ -635,8 +644,11 @@ async def _take_snapshot(
     sinks: dict[str, _BoundedSink] = {}
 
     def copy_and_serialize() -> None:
+        # Copies out of the GPU go into page-locked memory: at the link's speed, and all
+        # queued at once (the snapshot area is registered once, and reused by later saves).
+        pinned = any(src.is_cuda for _, src in jobs) and memory.pin_for_cuda()
         with cuda_ready_streams():  # the GPU tensors' copies run on this thread's streams
-            _copy_all(jobs)
+            _copy_all(jobs, pinned)
             remaining = left
             for name, obj in whole.items():
                 sinks[name] = sink = _BoundedSink(name, remaining, budget)
@@ -674,12 +686,20 @@ async def _take_snapshot(
     )
 
 
-def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool = False) -> None:
+    """Copy each source into its destination. With ``pinned`` destinations, the copies out
+    of GPUs are queued without waiting on the current streams, then waited for together."""
+    devices: set[torch.device] = set()
     for dst, src in jobs:
         if src.device.type == "cpu" and src.is_contiguous():
             copy_bytes(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+        elif src.is_cuda and pinned:
+            dst.copy_(src, non_blocking=True)
+            devices.add(src.device)
         else:
             dst.copy_(src)  # strided or on a GPU: torch does the gather or the transfer
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _delete_all(paths: list[str]) -> None:

@@ -225,6 +225,51 @@ def _bench_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from ._bench_gpu import CADENCES, MODES, format_gpu, run_gpu, write_outputs
+
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or "none" not in modes:
+        print(
+            f"aiopersist bench gpu: --modes must name 'none' and only {', '.join(MODES)}; got {args.modes!r}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        cadences = tuple(int(c) for c in args.every.split(",") if c.strip())
+    except ValueError:
+        cadences = ()
+    if not cadences or any(c < 1 for c in cadences):
+        print(
+            f"aiopersist bench gpu: --every wants step counts >= 1, like 1,10; got {args.every!r}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.rounds < 1 or args.micro_batch < 1 or args.params <= 0:
+        print("aiopersist bench gpu: --rounds, --micro-batch and --params must be positive", file=sys.stderr)
+        return 2
+    try:
+        report = run_gpu(
+            os.path.abspath(args.dir),
+            dry_run=args.dry_run,
+            parameters=args.params,
+            micro_batch=args.micro_batch,
+            rounds=args.rounds,
+            modes=modes,
+            cadences=cadences or CADENCES,
+            budget_s=args.budget_s,
+        )
+    except RuntimeError as exc:
+        if "needs a CUDA device" not in str(exc):
+            raise
+        print(f"aiopersist bench gpu: {exc}", file=sys.stderr)
+        return 1
+    write_outputs(report, args.json, args.markdown)
+    print(format_gpu(report))
+    return 0
+
+
 def _bench_raw(args: argparse.Namespace) -> int:
     from ._bench import format_raw, run_raw
 
@@ -875,6 +920,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated modes to interleave; 'none' is the baseline (default: all)",
     )
     train.set_defaults(func=_bench_train)
+    gpu = bench_sub.add_parser(
+        "gpu", help="a ~1B-parameter GPT training on the GPU, checkpointing every step and every 10"
+    )
+    gpu.add_argument("--dir", default="bench-data", help="where the checkpoints go (the disk measured)")
+    gpu.add_argument("--params", type=float, default=1.0e9, help="model size in parameters (default: 1e9)")
+    gpu.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch (default: 4)")
+    gpu.add_argument("--rounds", type=int, default=2, help="interleaved rounds, at most (default: 2)")
+    gpu.add_argument("--every", default="1,10", help="checkpoint cadences in steps (default: 1,10)")
+    gpu.add_argument(
+        "--modes", default=",".join(("none", "torch.save", "dcp", "fence", "snapshot")),
+        help="comma-separated modes; 'none' is the baseline (default: all)",
+    )
+    gpu.add_argument("--budget-s", type=float, help="seconds the benchmark may take: fewer rounds if needed")
+    gpu.add_argument("--dry-run", action="store_true", help="rehearse on the CPU with a tiny model")
+    gpu.add_argument("--json", help="also write the figures as JSON here")
+    gpu.add_argument("--markdown", help="also write the report as markdown here")
+    gpu.set_defaults(func=_bench_gpu)
 
     backends = ("auto", "io_uring", "threads")
     inspect = sub.add_parser(

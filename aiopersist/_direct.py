@@ -236,6 +236,25 @@ class AlignedBuffer:
         self.address = _address(self._map) + self._offset
         """Where the buffer starts in memory (valid until `close`)."""
         self._tensor: torch.Tensor | None = None
+        self.cuda_pinned = False
+        """Whether the memory is registered with CUDA (`pin_for_cuda`)."""
+
+    def pin_for_cuda(self) -> bool:
+        """Page-lock the memory for CUDA (``cudaHostRegister``), once, so that copies from
+        the GPU into it run at the link's speed and asynchronously, not through the
+        driver's own bounce buffer. Slow (the pages are faulted in and locked): call it
+        off the event loop. Returns whether the memory is pinned; on failure it stays
+        pageable (copies still work, slower)."""
+        if self.cuda_pinned:
+            return True
+        if not torch.cuda.is_available():
+            return False
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(self.address, self.size, 0)  # type: ignore[no-untyped-call]
+        except (RuntimeError, AttributeError):
+            return False
+        self.cuda_pinned = int(err) == 0
+        return self.cuda_pinned
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -267,6 +286,10 @@ class AlignedBuffer:
         as soon as the last view goes: never under a user of it, and never with an error
         that would hide the one being handled (a close runs in ``finally`` blocks)."""
         self._tensor = None
+        if self.cuda_pinned:  # before the unmap, as CUDA asks; no copy into it is in flight
+            self.cuda_pinned = False
+            with contextlib.suppress(RuntimeError, AttributeError):
+                torch.cuda.cudart().cudaHostUnregister(self.address)  # type: ignore[no-untyped-call]
         try:
             self.view.release()
             self._map.close()
