@@ -53,7 +53,8 @@ import torch.nn.functional as F
 from ._api import load_sync
 from ._blocking import BlockingCheckpointer, BlockingSaveHandle
 
-MODES: tuple[str, ...] = ("none", "torch.save", "dcp", "fence", "snapshot")
+# aiopersist's modes first: when the time budget cuts a round short, they have run.
+MODES: tuple[str, ...] = ("none", "fence", "snapshot", "dcp", "torch.save")
 CADENCES: tuple[int, ...] = (1, 10)
 
 
@@ -541,48 +542,71 @@ def run_gpu(
             + "\n"
         )
         pinned = pinned_copy_gbps(device, min(t.state_bytes, 4 << 30))
-        # How many rounds fit: one round's estimate from the step and the save.
-        per_round = sum(
-            (1 + c * (3 if c == 1 else 2)) * step1 * accum[c] * (2.0 if m == "torch.save" else 1.2)
-            for c in cadences
-            for m in modes
-        )
-        if budget_s is not None:
-            spent = time.perf_counter() - started
-            fit = int((budget_s - spent - 3 * save_s - 30) // max(per_round, 1e-3))
-            if fit < rounds:
-                notes.append(
-                    f"the time budget ({budget_s:.0f} s) allowed {max(fit, 1)} of {rounds} rounds "
-                    f"(about {per_round:.0f} s each)"
-                )
-                rounds = max(1, fit)
+        saves_per_run = {c: 3 if c == 1 else 2 for c in cadences}
+
+        def estimate(m: str, c: int) -> float:
+            """Seconds one run should take, with a margin: its steps, plus the last save's
+            completion (and for torch.save, its saves in the loop at about twice the time)."""
+            seconds = (1 + c * saves_per_run[c]) * step1 * accum[c] + save_s
+            if m == "torch.save":
+                seconds += saves_per_run[c] * 2 * save_s
+            return 1.25 * seconds
+
+        # Runs that would not end before the budget's end (less what the fio reference, the
+        # load comparison and closing need) are left out, and said to be.
+        deadline = started + budget_s if budget_s is not None else math.inf
+        reserve = 4 * save_s + 30
         figures: dict[tuple[str, int], list[RunFigures]] = {(m, c): [] for m in modes for c in cadences}
         errors: dict[tuple[str, int], str] = {}
+        left_out: set[tuple[str, int]] = set()
         fio: list[float] = []
-        for r in range(rounds):
-            order = list(modes[r % len(modes) :]) + list(modes[: r % len(modes)])
-            for c in cadences:
-                for m in order:
-                    if (m, c) in errors:
-                        continue
+        rounds_run = 0
+        interrupted = False
+        try:
+            for r in range(rounds):
+                order = list(modes[r % len(modes) :]) + list(modes[: r % len(modes)])
+                ran = 0
+                for c in cadences:
+                    for m in order:
+                        if (m, c) in errors:
+                            continue
+                        if time.perf_counter() + estimate(m, c) + reserve > deadline:
+                            left_out.add((m, c))
+                            continue
+                        _drop_caches()
+                        try:
+                            fig = run_mode(t, m, c, saves_per_run[c], accum[c], work, checkpointers, dcp)
+                        except Exception as exc:
+                            errors[(m, c)] = f"{type(exc).__name__}: {exc}"
+                            out.write(f"round {r + 1}: {m} every {c}: failed: {errors[(m, c)]}\n")
+                            continue
+                        ran += 1
+                        figures[(m, c)].append(fig)
+                        out.write(
+                            f"round {r + 1}/{rounds} every {c:<2} {m:<10} "
+                            f"step {statistics.mean(fig.steps):.3f} s  "
+                            f"blocked {statistics.mean(fig.blocked):.3f} s\n"
+                        )
+                        out.flush()
+                if not ran:
+                    break
+                rounds_run += 1
+                if time.perf_counter() + 2 * save_s + 10 < deadline:
                     _drop_caches()
-                    try:
-                        fig = run_mode(t, m, c, 3 if c == 1 else 2, accum[c], work, checkpointers, dcp)
-                    except Exception as exc:
-                        errors[(m, c)] = f"{type(exc).__name__}: {exc}"
-                        out.write(f"round {r + 1}: {m} every {c}: failed: {errors[(m, c)]}\n")
-                        continue
-                    figures[(m, c)].append(fig)
-                    out.write(
-                        f"round {r + 1}/{rounds} every {c:<2} {m:<10} "
-                        f"step {statistics.mean(fig.steps):.3f} s  "
-                        f"blocked {statistics.mean(fig.blocked):.3f} s\n"
-                    )
-                    out.flush()
-            _drop_caches()
-            g = _fio_gbps(work, t.state_bytes)
-            if g is not None:
-                fio.append(g)
+                    g = _fio_gbps(work, t.state_bytes)
+                    if g is not None:
+                        fio.append(g)
+        except KeyboardInterrupt:
+            interrupted = True
+            notes.append("interrupted (SIGINT, the time limit): only the runs that ended are reported")
+        if left_out:
+            notes.append(
+                f"the time budget ({budget_s:.0f} s) left out "
+                + ", ".join(f"{m} every {c}" for m, c in sorted(left_out))
+                + " in some rounds (estimated from a step of "
+                + f"{step1:.2f} s per micro-batch and a save of {save_s:.1f} s)"
+            )
+        rounds = rounds_run
         if not fio:
             notes.append("fio is not on PATH: no write ratio (the GPU check carries it in its bundle)")
         fio_gbps = _median(fio)
@@ -594,10 +618,9 @@ def run_gpu(
             for m in modes:
                 runs = figures[(m, c)]
                 if not runs:
-                    results.append(
-                        ModeResult(m, c, math.nan, math.nan, math.nan, math.nan, None, None, None,
-                                   errors.get((m, c), "not run"))
-                    )
+                    why = errors.get((m, c), "not run: time budget" if (m, c) in left_out else "not run")
+                    nan = math.nan
+                    results.append(ModeResult(m, c, nan, nan, nan, nan, None, None, None, why))
                     continue
                 # The mean, not the median: at a cadence of 10 only one step in ten saves.
                 step = statistics.mean(s for f in runs for s in f.steps)
@@ -620,6 +643,8 @@ def run_gpu(
         # Loading to the device, from a fresh snapshot-mode checkpoint.
         load: dict[str, float | None] = {}
         try:
+            if interrupted or time.perf_counter() + 4 * save_s > deadline:
+                raise TimeoutError("no time left in the budget")
             ck = checkpointers.get("snapshot") or BlockingCheckpointer()
             path = os.path.join(work, "load-me")
             ck.save(t.state(), path, overwrite=True).wait()

@@ -929,7 +929,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--rounds", type=int, default=2, help="interleaved rounds, at most (default: 2)")
     gpu.add_argument("--every", default="1,10", help="checkpoint cadences in steps (default: 1,10)")
     gpu.add_argument(
-        "--modes", default=",".join(("none", "torch.save", "dcp", "fence", "snapshot")),
+        "--modes", default="none,fence,snapshot,dcp,torch.save",
         help="comma-separated modes; 'none' is the baseline (default: all)",
     )
     gpu.add_argument("--budget-s", type=float, help="seconds the benchmark may take: fewer rounds if needed")

@@ -22,8 +22,8 @@
 #   --budget-s  seconds the whole check may take (default 570: a device call's limit is 600)
 # Environment: GPU_CHECK_PYTHON (the image's Python; default python3, or .venv/bin/python
 # with --dry-run), GPU_CHECK_VENV (default a fresh folder under /tmp), GPU_CHECK_DIR (the
-# disk to benchmark; default a folder under /tmp), GPU_CHECK_BENCH_ARGS (more arguments
-# for `bench gpu`).
+# disk to benchmark; default .gpu-check-bench in the working tree, removed at the end),
+# GPU_CHECK_BENCH_ARGS (more arguments for `bench gpu`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -97,7 +97,14 @@ step_done bundle ok "$t" "$BUNDLE"
 t=$(date +%s)
 VENV=${GPU_CHECK_VENV:-$(mktemp -d /tmp/aiopersist-gpu-check.XXXXXX)/venv}
 rm -rf "$VENV"
-if "$PYTHON" -m venv --system-site-packages "$VENV" >>"$LOG" 2>&1; then
+# Without ensurepip (a distribution's Python without its venv package), the venv is made
+# without pip, and the image's pip installs into it (pip --python).
+PIP=("$VENV/bin/python" -m pip)
+if ! "$PYTHON" -m venv --system-site-packages "$VENV" >>"$LOG" 2>&1; then
+    rm -rf "$VENV"
+    "$PYTHON" -m venv --system-site-packages --without-pip "$VENV" >>"$LOG" 2>&1 && PIP=("$PYTHON" -m pip --python "$VENV/bin/python")
+fi
+if [ -x "$VENV/bin/python" ]; then
     # The image's python3 may itself be a venv: then --system-site-packages reaches the
     # interpreter's site-packages, not the image's (where torch is). A .pth adds those.
     site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -114,7 +121,7 @@ VPY="$VENV/bin/python"
 
 # -- 2. the wheels and the package ------------------------------------------------------------
 t=$(date +%s)
-if "$VPY" -m pip install -q --disable-pip-version-check --no-index --no-deps "$BUNDLE"/wheels/*.whl >>"$LOG" 2>&1; then
+if "${PIP[@]}" install -q --disable-pip-version-check --no-index --no-deps "$BUNDLE"/wheels/*.whl >>"$LOG" 2>&1; then
     step_done wheels ok "$t" "$(ls "$BUNDLE/wheels" | wc -l) wheels"
 else
     step_done wheels failed "$t" "pip could not install the bundle's wheels: see check.log"
@@ -124,7 +131,7 @@ URING_VERSION=$("$PYTHON" -c 'import json,sys; print(json.load(open(sys.argv[1])
 if CFLAGS="-I$BUNDLE/liburing/include ${CFLAGS:-}" \
     LDFLAGS="-L$BUNDLE/liburing/lib -Wl,-rpath,$BUNDLE/liburing/lib ${LDFLAGS:-}" \
     AIOPERSIST_LIBURING_VERSION="$URING_VERSION" \
-    "$VPY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
+    "${PIP[@]}" install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
     native=$("$VPY" -c 'from aiopersist import _native as n; print("ok" if n.has_liburing else "missing: " + str(n.unavailable_reason))' 2>>"$LOG")
     if [ "$native" = ok ]; then
         step_done package ok "$t" "native module built against liburing $URING_VERSION"
@@ -138,19 +145,24 @@ AIOP="$VENV/bin/aiopersist"
 
 # -- 3. doctor --------------------------------------------------------------------------------
 t=$(date +%s)
-BENCH_DIR=${GPU_CHECK_DIR:-$(mktemp -d /tmp/aiopersist-gpu-bench.XXXXXX)}
+# The benchmark's disk: beside the working tree (on the machine's disk; /tmp may be memory).
+BENCH_DIR=${GPU_CHECK_DIR:-$ROOT/.gpu-check-bench}
 mkdir -p "$BENCH_DIR"
 if "$AIOP" doctor "$BENCH_DIR" > "$REPORT_DIR/doctor.txt" 2>&1; then
     step_done doctor ok "$t"
 else
     step_done doctor failed "$t" "exit status $?: see the doctor section of the report"
 fi
+df -hT "$BENCH_DIR" >> "$REPORT_DIR/doctor.txt" 2>&1
 cat "$REPORT_DIR/doctor.txt" >> "$LOG"
 
 # -- 4. the CUDA tests ------------------------------------------------------------------------
 t=$(date +%s)
 export PATH="$BUNDLE/bin:$PATH"  # the bundle's fio, for the benchmark
-"$VPY" -m pytest -m cuda -p no:cacheprovider -q -rs --continue-on-collection-errors \
+# Only the plugins this project's configuration needs: the image's own (pytest-cov,
+# xdist, benchmark...) were built for its pytest, not the bundle's.
+PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$VPY" -m pytest -p pytest_asyncio.plugin -p pytest_timeout \
+    -m cuda -p no:cacheprovider -q -rs --continue-on-collection-errors \
     --junitxml="$REPORT_DIR/cuda-tests.xml" tests >>"$LOG" 2>&1
 rc=$?
 # Exit 5 (nothing collected) and exit 0 with every test skipped are read from the
@@ -159,14 +171,16 @@ step_done tests "rc=$rc" "$t" "pytest -m cuda"
 
 # -- 5. the benchmark -------------------------------------------------------------------------
 t=$(date +%s)
-budget=$(( $(left) - 20 ))
+budget=$(( $(left) - 60 ))
 if [ "$budget" -lt 30 ]; then
     step_done bench skipped "$t" "no time left (the budget was spent by the steps above)"
 else
     dry_arg=()
     [ $DRY = 1 ] && dry_arg=(--dry-run)
     # shellcheck disable=SC2086
-    if "$AIOP" bench gpu --dir "$BENCH_DIR" --budget-s "$budget" "${dry_arg[@]}" \
+    # The benchmark plans within its budget; past it (a bad estimate), SIGINT makes it
+    # report what it has, and 30 s later it is killed: the report is written either way.
+    if timeout -s INT -k 30 "$((budget + 20))" "$AIOP" bench gpu --dir "$BENCH_DIR" --budget-s "$budget" "${dry_arg[@]}" \
         --json "$REPORT_DIR/bench-gpu.json" --markdown "$REPORT_DIR/bench-gpu.md" \
         ${GPU_CHECK_BENCH_ARGS:-} 2>&1 | tee -a "$LOG"; then
         step_done bench ok "$t"
@@ -175,6 +189,7 @@ else
     fi
 fi
 rm -rf "$BENCH_DIR"/.aiopersist-bench-gpu-* 2>/dev/null
+[ -z "${GPU_CHECK_DIR:-}" ] && rm -rf "$BENCH_DIR"
 
 # -- 6. the report ----------------------------------------------------------------------------
 RPY=$VPY

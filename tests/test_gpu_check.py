@@ -84,6 +84,26 @@ def test_report_judges_the_cuda_tests(
     assert says in detail
 
 
+@pytest.mark.parametrize(
+    ("measured", "ok"),
+    [
+        ({"none", "fence", "snapshot", "dcp", "torch.save"}, True),
+        ({"none", "fence", "snapshot"}, True),
+        ({"none", "fence"}, False),
+        (set(), False),
+    ],
+)
+def test_report_judges_the_benchmark(measured: set[str], ok: bool) -> None:
+    report = _report_module()
+    results = [{"mode": m, "error": None if m in measured else "not run: time budget"} for m in
+               ("none", "fence", "snapshot", "dcp", "torch.save")]  # fmt: skip
+    verdict, detail = report.judge_bench({"results": results})
+    assert verdict is ok
+    if not ok:
+        assert "the benchmark measured" in detail
+    assert report.judge_bench(None)[0] is False
+
+
 def test_report_without_results_fails(tmp_path: Path) -> None:
     report = _report_module()
     verdict, detail = report.judge_tests(report.read_junit(str(tmp_path / "missing.xml")), False)
