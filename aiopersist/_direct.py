@@ -250,7 +250,9 @@ class AlignedBuffer:
         if not torch.cuda.is_available():
             return False
         try:
-            err = torch.cuda.cudart().cudaHostRegister(self.address, self.size, 0)  # type: ignore[no-untyped-call]
+            # cudaHostRegisterPortable (1): pinned for every device's context, not only the
+            # current one (a state may span several GPUs).
+            err = torch.cuda.cudart().cudaHostRegister(self.address, self.size, 1)  # type: ignore[no-untyped-call]
         except (RuntimeError, AttributeError):
             return False
         self.cuda_pinned = int(err) == 0

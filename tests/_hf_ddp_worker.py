@@ -130,4 +130,11 @@ def _report(out: str, mode: str, report: dict[str, object]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "auto")
+    try:
+        main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "auto")
+    finally:
+        # A gloo group left to the interpreter's teardown sometimes aborts the process
+        # ("terminate called without an active exception": its threads are destroyed while
+        # joinable), after the work is done; seen with and without aiopersist. End it here.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
