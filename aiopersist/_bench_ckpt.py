@@ -190,6 +190,19 @@ def transformer_state(size_bytes: int, *, seed: int = _SEED) -> State:
     return state
 
 
+SMALL_TENSOR_BYTES = 4096
+
+
+def small_tensors_state(size_bytes: int, *, seed: int = _SEED) -> State:
+    """About ``size_bytes`` of fp32 tensors of 4 KiB each (200 MiB: 51,200 tensors): the
+    per-tensor costs of a format and a writer, with no large tensor to hide them."""
+    gen = torch.Generator().manual_seed(seed)
+    count = max(1, size_bytes // SMALL_TENSOR_BYTES)
+    values = torch.empty(count, SMALL_TENSOR_BYTES // 4, dtype=torch.float32)
+    values.normal_(0.0, 0.02, generator=gen)
+    return {f"t.{i}": values[i].clone() for i in range(count)}
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -312,6 +325,69 @@ class _PeakRss:
     @property
     def increase(self) -> int:
         return max(0, self.peak - self.baseline)
+
+
+class _ThreadCpu:
+    """CPU seconds of this process's threads over a ``with`` block, from
+    ``/proc/self/task/*/stat`` (user + system): the busiest thread's and all of them.
+
+    Threads can end inside the block (an ``asyncio.run`` shuts its executor down), so
+    the table is sampled every ``interval`` and each thread's last reading kept; the
+    sampler's own thread is left out. The busiest thread bounds what one rank can move:
+    bytes over its CPU seconds is the per-rank ceiling ``bench save`` reports."""
+
+    _TASKS = "/proc/self/task"
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._base: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+        self._own = -1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.busiest = 0.0
+        self.total = 0.0
+
+    def _read(self) -> dict[int, int]:
+        ticks: dict[int, int] = {}
+        try:
+            tids = os.listdir(self._TASKS)
+        except OSError:
+            return ticks
+        for tid in tids:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"{self._TASKS}/{tid}/stat", "rb") as f:
+                    data = f.read()
+                fields = data[data.rindex(b")") + 2 :].split()
+                ticks[int(tid)] = int(fields[11]) + int(fields[12])  # utime, stime
+        return ticks
+
+    def _merge(self) -> None:
+        for tid, v in self._read().items():
+            if tid != self._own:
+                self._last[tid] = v
+
+    def _loop(self) -> None:
+        self._own = threading.get_native_id()
+        while not self._stop.wait(self.interval):
+            self._merge()
+
+    def __enter__(self) -> _ThreadCpu:
+        self._base = self._read()
+        self._last = dict(self._base)
+        self._thread = threading.Thread(target=self._loop, name="aiopersist-cpu", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._merge()
+        used = [(v - self._base.get(tid, 0)) / self._tick for tid, v in self._last.items()]
+        self.busiest = max(used, default=0.0)
+        self.total = sum(used)
 
 
 def _mem_available() -> int | None:
@@ -465,6 +541,10 @@ class CkptRun:
     """State bytes over seconds, in GiB/s (fio: its own figure)."""
     rss_increase: int | None
     """Peak RSS growth during the call, in bytes; ``None`` for fio (another process)."""
+    busiest_cpu_s: float | None = None
+    """CPU seconds of this process's busiest thread during the call; ``None`` for fio."""
+    total_cpu_s: float | None = None
+    """CPU seconds of all of this process's threads during the call; ``None`` for fio."""
 
 
 @dataclass(frozen=True)
@@ -482,6 +562,11 @@ class CkptMethodResult:
     """``gibs_median`` over fio's; ``None`` when fio did not run."""
     vs_baseline: float | None
     """``gibs_median`` over the baseline's (torch.save / safetensors); ``None`` without it."""
+    ceiling_gibs: float | None = None
+    """Median over the runs of the state's bytes over the busiest thread's CPU seconds: what
+    one rank could move if that thread were its only limit (``None`` for fio)."""
+    cpu_s_per_gib: float | None = None
+    """Median CPU seconds of all threads per GiB of state (``None`` for fio)."""
 
 
 @dataclass(frozen=True)
@@ -509,6 +594,7 @@ class CkptReport:
     dtype_bytes: tuple[tuple[str, int], ...]
     """Bytes per dtype, largest first."""
     hidden: int
+    """The transformer state's width (0 for the small-tensors state)."""
     layers: int
     rounds: int
     chunk_bytes: int
@@ -524,6 +610,8 @@ class CkptReport:
     targets: tuple[CkptTarget, ...]
     skipped: tuple[str, ...]
     notes: tuple[str, ...]
+    shape: str = "transformer"
+    """The state: ``transformer`` (`transformer_state`) or ``small`` (`small_tensors_state`)."""
 
     def result(self, method: str) -> CkptMethodResult | None:
         """The figures of ``method``, or ``None`` if it did not run."""
@@ -559,6 +647,9 @@ def _summarise(
     out = []
     for m in order:
         rss = [r.rss_increase for r in runs[m] if r.rss_increase is not None]
+        gib = runs[m][0].gibs * runs[m][0].seconds if runs[m] else 0.0  # the state's size in GiB
+        busiest = [r.busiest_cpu_s for r in runs[m] if r.busiest_cpu_s]
+        cpu = [r.total_cpu_s for r in runs[m] if r.total_cpu_s]
         out.append(
             CkptMethodResult(
                 method=m,
@@ -569,6 +660,8 @@ def _summarise(
                 rss_max_mib=max(rss) / _MiB if rss else None,
                 vs_fio=med[m] / med["fio"] if "fio" in med else None,
                 vs_baseline=med[m] / med[baseline] if baseline in med else None,
+                ceiling_gibs=statistics.median(gib / b for b in busiest) if busiest else None,
+                cpu_s_per_gib=statistics.median(c / gib for c in cpu) if cpu and gib else None,
             )
         )
     return tuple(out)
@@ -614,9 +707,11 @@ def run_ckpt(
     size_bytes: int = 2 << 30,
     rounds: int = 3,
     methods: Sequence[str] | None = None,
+    shape: str = "transformer",
     out: TextIO = sys.stdout,
 ) -> CkptReport:
     """Time checkpoint saves or loads of each method; see the module docstring.
+    ``shape``: ``transformer`` or ``small`` (4 KiB tensors: `small_tensors_state`).
 
     The files go to a scratch directory inside ``directory`` (created if missing), deleted
     at the end. ``size_bytes`` is the approximate state size. Progress lines go to ``out``.
@@ -627,6 +722,8 @@ def run_ckpt(
         raise ValueError(f"kind must be 'save' or 'load', got {kind!r}")
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if shape not in ("transformer", "small"):
+        raise ValueError(f"shape must be 'transformer' or 'small', got {shape!r}")
     if size_bytes < 16 * _MiB:
         raise ValueError(f"size_bytes={size_bytes} is too small for a meaningful run (at least 16 MiB)")
     wanted = _methods_for(kind, methods)
@@ -678,11 +775,16 @@ def run_ckpt(
     if not runnable:
         raise RuntimeError("none of the methods asked for can run here: " + "; ".join(notes))
 
-    say(f"generating a transformer-shaped state of about {_size_text(size_bytes)} (seed {_SEED})")
-    state = transformer_state(size_bytes)
+    if shape == "small":
+        say(f"generating {size_bytes // SMALL_TENSOR_BYTES} tensors of 4 KiB (seed {_SEED})")
+        state = small_tensors_state(size_bytes)
+        hidden = layers = 0
+    else:
+        say(f"generating a transformer-shaped state of about {_size_text(size_bytes)} (seed {_SEED})")
+        state = transformer_state(size_bytes)
+        hidden = state["final_norm.weight"].numel()
+        layers = sum(1 for k in state if k.endswith(".mlp.up.weight"))
     total = _state_bytes(state)
-    hidden = state["final_norm.weight"].numel()
-    layers = sum(1 for k in state if k.endswith(".mlp.up.weight"))
     by_dtype: dict[str, int] = {}
     for t in state.values():
         name = str(t.dtype).removeprefix("torch.")
@@ -728,13 +830,13 @@ def run_ckpt(
     def timed(thunk: Callable[[], Any]) -> tuple[CkptRun, Any]:
         _release_free_memory()
         drop()
-        with _PeakRss() as rss:
+        with _PeakRss() as rss, _ThreadCpu() as cpu:
             start = time.perf_counter()
             result = thunk()
             if kind == "load":
                 _touch(result)
             seconds = time.perf_counter() - start
-        return CkptRun(seconds, total / _GiB / seconds, rss.increase), result
+        return CkptRun(seconds, total / _GiB / seconds, rss.increase, cpu.busiest, cpu.total), result
 
     def save_once(m: str) -> CkptRun:
         path = paths[m]
@@ -833,6 +935,7 @@ def run_ckpt(
         dtype_bytes=tuple(sorted(by_dtype.items(), key=lambda kv: -kv[1])),
         hidden=hidden,
         layers=layers,
+        shape=shape,
         rounds=rounds,
         chunk_bytes=chunk,
         buffers=nbuf,
@@ -859,7 +962,8 @@ def _state_line(report: CkptReport) -> str:
     dtypes = ", ".join(f"{name} {_gib_text(n)}" for name, n in report.dtype_bytes)
     return (
         f"state: {_gib_text(report.state_bytes)} in {report.tensors} tensors "
-        f"({report.small_tensors} under 1 MiB; {dtypes}), hidden {report.hidden}, {report.layers} layers"
+        f"({report.small_tensors} under 1 MiB; {dtypes})"
+        + (f", hidden {report.hidden}, {report.layers} layers" if report.shape == "transformer" else "")
     )
 
 
@@ -888,6 +992,8 @@ def format_ckpt(report: CkptReport) -> str:
         "vs fio",
         f"vs {report.baseline}",
         "peak RSS +MiB",
+        "ceiling GiB/s",
+        "CPU-s/GiB",
         "GiB/s per round",
     )
     rows = [
@@ -898,6 +1004,8 @@ def format_ckpt(report: CkptReport) -> str:
             ratio(r.vs_fio),
             ratio(r.vs_baseline),
             mib(r.rss_median_mib),
+            "-" if r.ceiling_gibs is None else f"{r.ceiling_gibs:.2f}",
+            "-" if r.cpu_s_per_gib is None else f"{r.cpu_s_per_gib:.2f}",
             " ".join(f"{x.gibs:.3f}" for x in r.runs),
         )
         for r in report.results
@@ -905,7 +1013,7 @@ def format_ckpt(report: CkptReport) -> str:
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     for row in (header, *rows):
         cells = [
-            cell.ljust(w) if i in (0, 6) else cell.rjust(w)
+            cell.ljust(w) if i in (0, 8) else cell.rjust(w)
             for i, (cell, w) in enumerate(zip(row, widths, strict=True))
         ]
         lines.append("  ".join(cells).rstrip())
@@ -948,6 +1056,7 @@ def ckpt_report_json(report: CkptReport) -> dict[str, Any]:
             "tensors": report.tensors,
             "small_tensors": report.small_tensors,
             "dtype_bytes": dict(report.dtype_bytes),
+            "shape": report.shape,
             "hidden": report.hidden,
             "layers": report.layers,
         },
@@ -968,8 +1077,16 @@ def ckpt_report_json(report: CkptReport) -> dict[str, Any]:
                 "vs_baseline": num(r.vs_baseline),
                 "rss_increase_median_mib": r.rss_median_mib,
                 "rss_increase_max_mib": r.rss_max_mib,
+                "ceiling_gibs": num(r.ceiling_gibs),
+                "cpu_s_per_gib": num(r.cpu_s_per_gib),
                 "runs": [
-                    {"seconds": x.seconds, "gibs": num(x.gibs), "rss_increase_bytes": x.rss_increase}
+                    {
+                        "seconds": x.seconds,
+                        "gibs": num(x.gibs),
+                        "rss_increase_bytes": x.rss_increase,
+                        "busiest_thread_cpu_s": x.busiest_cpu_s,
+                        "total_cpu_s": x.total_cpu_s,
+                    }
                     for x in r.runs
                 ],
             }

@@ -182,6 +182,7 @@ def _bench_ckpt(args: argparse.Namespace) -> int:
         size_bytes=int(args.size_gib * (1 << 30)),
         rounds=args.rounds,
         methods=methods,
+        shape=args.state,
         out=sys.stderr if args.json else sys.stdout,
     )
     if args.json:
@@ -900,6 +901,12 @@ def build_parser() -> argparse.ArgumentParser:
         ck.add_argument("--methods", help="comma-separated subset of the methods")
         ck.add_argument("--json", action="store_true", help="print the report as JSON")
         ck.add_argument("--plot", metavar="FILE.png", help="also draw a bar chart")
+        ck.add_argument(
+            "--state",
+            choices=("transformer", "small"),
+            default="transformer",
+            help="transformer-shaped (default) or small: 4 KiB tensors (51,200 in 200 MiB)",
+        )
         if kind == "save":
             ck.add_argument(
                 "--ranks", type=int, default=1, help="ranks saving together (gloo), against 1 rank x 1 dir"

@@ -44,6 +44,34 @@ def as_bytes_tensor(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
+_GATHER_IN_THREAD = 1 << 20
+"""A non-contiguous block this large is gathered in a worker thread (a copy that size
+would hold the event loop for a millisecond or more)."""
+
+
+def strided_blocks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
+    """Views of ``t`` whose elements, each block's in row-major order and the blocks one
+    after the other, are ``t``'s in row-major order; each at most ``limit`` bytes (or one
+    element, if that is larger). Rows are grouped while they fit; a row too large is split
+    the same way, down to slices of a 1-D tensor."""
+    if t.dim() == 0:
+        yield t
+        return
+    if t.dim() == 1:
+        step = max(1, limit // t.element_size())
+        for start in range(0, t.shape[0], step):
+            yield t[start : start + step]
+        return
+    row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 0
+    if row_bytes <= limit:
+        rows = max(1, limit // max(1, row_bytes))
+        for start in range(0, t.shape[0], rows):
+            yield t[start : start + rows]
+        return
+    for i in range(t.shape[0]):
+        yield from strided_blocks(t[i], limit)
+
+
 CudaReady = Mapping[int, "torch.cuda.Event"]
 """Per CUDA device index, an event that marks where on its stream the saved tensors are
 ready: the copies out of them wait for it (on the GPU), and for nothing later."""
@@ -241,18 +269,21 @@ class FileWriter:
     async def write(self, data: torch.Tensor | Bytes) -> None:
         """Append ``data`` (a CPU tensor's bytes, or a bytes-like object) to the file.
 
-        A non-contiguous tensor is made contiguous a block of rows at a time (about one
-        staging buffer each), never as a whole: memory stays bounded by the pool.
+        A non-contiguous tensor is gathered a block at a time, each block at most one
+        staging buffer (rows, or slices of a row or of a 1-D tensor), never as a whole:
+        memory stays bounded by the pool, and a large block is gathered in a worker
+        thread, not on the event loop.
         """
         if isinstance(data, torch.Tensor) and data.device.type == "cuda":
             await self._write_cuda(data)
             return
-        if isinstance(data, torch.Tensor) and not data.is_contiguous() and data.dim() > 1 and data.numel():
-            row_bytes = data[0].numel() * data.element_size()
-            rows = max(1, self._pool.buffer_bytes // max(1, row_bytes))
-            for start in range(0, data.shape[0], rows):
-                block = data[start : start + rows]
-                await self.write(block.contiguous())
+        if isinstance(data, torch.Tensor) and not data.is_contiguous() and data.numel():
+            for block in strided_blocks(data, self._pool.buffer_bytes):
+                if block.numel() * block.element_size() >= _GATHER_IN_THREAD:
+                    gathered = await asyncio.to_thread(torch.Tensor.contiguous, block)
+                else:
+                    gathered = block.contiguous()
+                await self.write(gathered)
             return
         if isinstance(data, torch.Tensor):
             src: torch.Tensor | memoryview = as_bytes_tensor(data)
@@ -286,7 +317,7 @@ class FileWriter:
         one, for the work queued on this thread's current stream), so the bytes are those
         the caller saw, while later work on the training stream runs on; the training
         stream itself is never synchronized. A non-contiguous tensor is gathered on the
-        side stream too, a block of rows (about one staging buffer) at a time.
+        side stream too, a block (`strided_blocks`: at most one staging buffer) at a time.
         """
         if data.numel() == 0:
             return
@@ -299,11 +330,9 @@ class FileWriter:
         if data.is_contiguous():
             await self._copy_out(data, stream)
             return
-        blocks = data if data.dim() > 1 else data.unsqueeze(0)
-        rows = max(1, self._pool.buffer_bytes // max(1, blocks[0].numel() * blocks.element_size()))
-        for start in range(0, blocks.shape[0], rows):
+        for view in strided_blocks(data, self._pool.buffer_bytes):
             with torch.cuda.stream(stream):  # ordered after the ready event, like the copies
-                block = blocks[start : start + rows].contiguous()
+                block = view.contiguous()
             await self._copy_out(block, stream)
 
     async def _copy_out(self, data: torch.Tensor, stream: torch.cuda.Stream) -> None:

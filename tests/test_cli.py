@@ -58,7 +58,25 @@ def test_bench_save_and_load_small(tmp_path: Path) -> None:
         names = [r["method"] for r in report["results"]]
         assert sorted(names) == sorted([peer, "aiopersist-threads"])
         assert plot.stat().st_size > 1000
+        for r in report["results"]:  # the per-rank ceiling and the CPU per GiB, from /proc
+            assert r["ceiling_gibs"] > 0
+            assert r["cpu_s_per_gib"] > 0
+            assert all(run["busiest_thread_cpu_s"] <= run["total_cpu_s"] for run in r["runs"])
     assert not any((tmp_path / "d").iterdir())  # cleaned up
+
+
+def test_bench_save_of_many_small_tensors(tmp_path: Path) -> None:
+    import json
+
+    proc = _cli(
+        "bench", "save", "--dir", str(tmp_path / "d"), "--size-gib", "0.02", "--rounds", "1",
+        "--methods", "torch.save,aiopersist-threads", "--state", "small", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["state"]["shape"] == "small"
+    assert report["state"]["tensors"] == (int(0.02 * (1 << 30)) // 4096)
+    assert report["state"]["small_tensors"] == report["state"]["tensors"]
 
 
 def test_bench_train_small(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -193,6 +194,34 @@ async def test_non_contiguous_tensor_is_written_in_bounded_blocks(
         await w.write(third)
     expected = t.contiguous().numpy().tobytes() + third.contiguous().numpy().tobytes()
     assert (tmp_path / "nc").read_bytes() == expected
+    pool.close()
+
+
+async def test_strided_1d_tensor_is_never_copied_whole(
+    backend: aiopersist.IOBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dio = aiopersist.probe_directory(tmp_path)
+    pool = aiopersist.StagingPool(CHUNK, 2)
+    base = torch.randn(8 << 20)  # 32 MiB
+    strided = base[::2]  # 16 MiB, 1-D, non-contiguous
+    wide = torch.randn(2, 3 << 20)[:, ::3]  # two rows of 4 MiB, each larger than a buffer
+    expected = strided.contiguous().numpy().tobytes() + wide.contiguous().numpy().tobytes()
+    largest = 0
+    original = torch.Tensor.contiguous
+
+    def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal largest
+        if not self.is_contiguous():
+            largest = max(largest, self.numel() * self.element_size())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", counting)
+    async with FileWriter(backend, tmp_path / "s", dio, pool) as w:
+        await w.write(strided)
+        await w.write(wide)
+    monkeypatch.undo()
+    assert 0 < largest <= CHUNK  # gathered a buffer at a time, never whole
+    assert (tmp_path / "s").read_bytes() == expected
     pool.close()
 
 
