@@ -265,11 +265,16 @@ async def write_file(
     written: Callable[[], None] | None = None,
     hasher: Any = None,
 ) -> FileRecord:
-    """Write ``parts`` as a new file, checksummed (by ``hasher`` when given), fsynced."""
+    """Write ``parts`` as a new file, checksummed (by ``hasher`` when given), fsynced.
+
+    The parts must stay unchanged until ``written`` is called (the tensors of a save until
+    it is staged): their bytes are copied into staging in worker threads, batched per
+    buffer, while the file is being written."""
     hasher = hasher if hasher is not None else new_hasher()
     async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
         for part in parts:
-            await writer.write(part)
+            await writer.write(part, stable=True)
+        await writer.copied()
         if written is not None:
             written()  # every byte is in staging or on its way to the disk
     return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())

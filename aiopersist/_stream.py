@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from ._backends import IOBackend
-from ._backends._base import Buffer
+from ._backends._base import Buffer, to_thread_to_the_end
 from ._direct import AlignedBuffer, DirectIOInfo, copy_bytes
 from ._exceptions import CheckpointCorruptError, from_os_error
 from ._staging import StagingPool
@@ -206,6 +206,12 @@ class FileWriter:
     write request while the next one fills. With direct I/O the unaligned tail is written
     padded with zeros and the file is then truncated to its exact length.
 
+    The copies and the checksum run in worker threads, not on the event loop: a buffer's
+    copies (a batch: every piece that lands in it, however many tensors) in one thread
+    hop, the checksum of each buffer in file order, chained, while other buffers are
+    copied and written. Sources written with ``stable=True`` are copied when their buffer
+    is launched (or at `copied`); others before `write` returns.
+
     Use ``await open()``, ``await write(...)`` any number of times, then ``await finish()``
     (fsync included) or ``await abort()``. As an async context manager it finishes on
     success and aborts on error.
@@ -236,6 +242,9 @@ class FileWriter:
         self._pending: list[asyncio.Task[int]] = []
         self._hasher = hasher
         self._pinned: list[torch.Tensor] | None = None  # GPU bounce buffers, made on first use
+        self._jobs: list[_CopyJob] = []  # the current buffer's copies, not yet run
+        self._copies: list[asyncio.Future[None]] = []  # one per launched buffer: its copies ran
+        self._hashed: asyncio.Future[None] | None = None  # the checksum chain's last link
         self.bytes_written = 0
 
     async def open(self) -> FileWriter:
@@ -266,8 +275,13 @@ class FileWriter:
         if failure is not None:
             raise failure
 
-    async def write(self, data: torch.Tensor | Bytes) -> None:
+    async def write(self, data: torch.Tensor | Bytes, *, stable: bool = False) -> None:
         """Append ``data`` (a CPU tensor's bytes, or a bytes-like object) to the file.
+
+        With ``stable=True`` the caller keeps ``data`` alive and unchanged until `copied`
+        (or `finish`) returns: its bytes are copied later, in a worker thread, batched with
+        the other pieces of their staging buffer. Otherwise they are copied before this
+        returns (``data`` may then be reused at once), large pieces in a worker thread.
 
         A non-contiguous tensor is gathered a block at a time, each block at most one
         staging buffer (rows, or slices of a row or of a 1-D tensor), never as a whole:
@@ -283,7 +297,7 @@ class FileWriter:
                     gathered = await asyncio.to_thread(torch.Tensor.contiguous, block)
                 else:
                     gathered = block.contiguous()
-                await self.write(gathered)
+                await self.write(gathered, stable=True)  # the gathered copy is this writer's own
             return
         if isinstance(data, torch.Tensor):
             src: torch.Tensor | memoryview = as_bytes_tensor(data)
@@ -291,6 +305,7 @@ class FileWriter:
             src = memoryview(data).cast("B")
         n = len(src)
         pos = 0
+        now: list[_CopyJob] = []  # copies to run before returning (unstable data)
         while pos < n:
             if self._buf is None:
                 self._raise_failed()
@@ -298,15 +313,33 @@ class FileWriter:
                 self._fill = 0
             buf = self._buf
             take = min(n - pos, buf.size - self._fill)
-            if isinstance(src, torch.Tensor):
-                copy_bytes(buf.address + self._fill, src.data_ptr() + pos, take)
+            job: _CopyJob = (buf, self._fill, src, pos, take)
+            if stable:
+                self._jobs.append(job)
             else:
-                buf.view[self._fill : self._fill + take] = src[pos : pos + take]
+                now.append(job)
             self._fill += take
             pos += take
             self.bytes_written += take
             if self._fill == buf.size:
+                if now:  # this buffer's unstable bytes must be in it before it is launched
+                    await _run_copies(now)
+                    now = []
                 self._launch(buf.size)
+        if now:
+            await _run_copies(now)
+
+    async def copied(self) -> None:
+        """Wait until every byte handed to `write` so far is in a staging buffer (the
+        sources may change from then on). Raises a failure of those copies."""
+        if self._jobs:
+            jobs, self._jobs = self._jobs, []
+            await _run_copies(jobs)
+        if self._copies:
+            await settle(self._copies)
+            for fut in self._copies:
+                if not fut.cancelled() and (exc := fut.exception()) is not None:
+                    raise exc
 
     async def _write_cuda(self, data: torch.Tensor) -> None:
         """A GPU tensor: chunks copied device-to-host into two pinned buffers on a side
@@ -362,25 +395,61 @@ class FileWriter:
             await self.write(self._pinned[k % 2][:length])
 
     def _launch(self, length: int) -> None:
+        """Hand the current buffer on: its copies (in a thread), then its checksum (in a
+        thread, after the previous buffer's), then its write request."""
         assert self._buf is not None
         assert self._fd is not None
-        buf = self._buf
+        buf, fill, jobs, fd, offset = self._buf, self._fill, self._jobs, self._fd, self._offset
+        self._jobs = []
+        loop = asyncio.get_running_loop()
+        copies: asyncio.Future[None] = loop.create_future()
+        hashed: asyncio.Future[None] | None = None
+        previous = self._hashed
         if self._hasher is not None:
-            # The checksum is taken from the staged bytes as they leave: no second pass.
-            with buf.view[: self._fill] as staged:
-                self._hasher.update(staged)
-        piece = buf.view[:length]
-        task = asyncio.ensure_future(self._backend.write(self._fd, piece, self._offset))
+            hashed = self._hashed = loop.create_future()
+        hasher = self._hasher
+
+        async def stage_and_write() -> int:
+            try:
+                try:
+                    if jobs:
+                        await _run_copies(jobs)
+                except BaseException as exc:
+                    _settle_future(copies, exc)
+                    raise
+                _settle_future(copies, None)
+                if hasher is not None:
+                    assert hashed is not None
+                    try:
+                        if previous is not None:
+                            await previous  # the checksum runs over the file in order
+                        # Taken from the staged bytes as they leave: no second pass.
+                        with buf.view[:fill] as staged:
+                            await to_thread_to_the_end(hasher.update, staged)
+                    except BaseException as exc:
+                        _settle_future(hashed, exc)
+                        raise
+                    _settle_future(hashed, None)
+                piece = buf.view[:length]
+                try:
+                    return await self._backend.write(fd, piece, offset)
+                finally:
+                    piece.release()  # so that a stored traceback cannot pin the mapping
+            finally:
+                _settle_future(copies, asyncio.CancelledError())
+                if hashed is not None:
+                    _settle_future(hashed, asyncio.CancelledError())
+
+        task = asyncio.ensure_future(stage_and_write())
 
         # The buffer goes back to the pool only once the request is over, whatever the
-        # task's fate: that is what makes sharing one pool between writers safe. The
-        # slice is released too, so a stored traceback cannot pin the mapping.
+        # task's fate: that is what makes sharing one pool between writers safe.
         def done(_t: asyncio.Task[int]) -> None:
-            piece.release()
             self._pool.release(buf)
 
         task.add_done_callback(done)
         self._pending.append(task)
+        self._copies = [c for c in self._copies if not c.done()] + [copies]
         self._offset += length
         self._buf = None
         self._fill = 0
@@ -417,6 +486,7 @@ class FileWriter:
 
     async def abort(self) -> None:
         """Stop: wait for requests in flight (their buffers), close the file. Keeps the file."""
+        self._jobs = []
         if self._buf is not None:
             self._pool.release(self._buf)
             self._buf = None
@@ -427,6 +497,47 @@ class FileWriter:
             if self._fd is not None:
                 fd, self._fd = self._fd, None
                 await self._backend.close(fd)
+
+
+_CopyJob = tuple[AlignedBuffer, int, "torch.Tensor | memoryview", int, int]
+"""``(buf, offset, src, src_offset, n)``: ``n`` bytes of ``src`` from ``src_offset`` into
+``buf`` at ``offset`` (a plain tuple: one is made per tensor piece). Holds ``src``: the
+memory stays alive until the copy has run."""
+
+
+_INLINE_COPY = 256 << 10
+"""Copies this small in total run on the event loop: a thread hop would cost more."""
+
+
+def _copy_all_jobs(jobs: Sequence[_CopyJob]) -> None:
+    for buf, offset, src, src_offset, n in jobs:
+        if isinstance(src, torch.Tensor):
+            copy_bytes(buf.address + offset, src.data_ptr() + src_offset, n)
+        else:
+            buf.view[offset : offset + n] = src[src_offset : src_offset + n]
+
+
+async def _run_copies(jobs: Sequence[_CopyJob]) -> None:
+    """Run ``jobs``: in a worker thread (memmove lets go of the GIL), awaited to its end
+    even if the caller is cancelled (the thread writes into a staging buffer), or inline
+    when they are small."""
+    if sum(j[4] for j in jobs) < _INLINE_COPY:
+        _copy_all_jobs(jobs)
+    else:
+        await to_thread_to_the_end(_copy_all_jobs, jobs)
+
+
+def _settle_future(fut: asyncio.Future[None], outcome: BaseException | None) -> None:
+    """Resolve ``fut`` once (later calls do nothing); its exception counts as seen."""
+    if fut.done():
+        return
+    if outcome is None:
+        fut.set_result(None)
+    elif isinstance(outcome, asyncio.CancelledError):
+        fut.cancel()
+    else:
+        fut.set_exception(outcome)
+        fut.exception()
 
 
 def _plan_windows(ranges: Sequence[tuple[int, int]], align: int, window: int) -> list[tuple[int, int]]:

@@ -58,11 +58,30 @@ def test_bench_save_and_load_small(tmp_path: Path) -> None:
         names = [r["method"] for r in report["results"]]
         assert sorted(names) == sorted([peer, "aiopersist-threads"])
         assert plot.stat().st_size > 1000
-        for r in report["results"]:  # the per-rank ceiling and the CPU per GiB, from /proc
-            assert r["ceiling_gibs"] > 0
-            assert r["cpu_s_per_gib"] > 0
-            assert all(run["busiest_thread_cpu_s"] <= run["total_cpu_s"] for run in r["runs"])
+        for r in report["results"]:  # the CPU figures (a run this short may be under a tick)
+            assert r["ceiling_gibs"] is None or r["ceiling_gibs"] > 0
+            assert all(0 <= run["busiest_thread_cpu_s"] <= run["total_cpu_s"] for run in r["runs"])
     assert not any((tmp_path / "d").iterdir())  # cleaned up
+
+
+def test_thread_cpu_counts_the_busiest_thread_even_after_it_ended() -> None:
+    import threading
+    import time
+
+    from aiopersist._bench_ckpt import _ThreadCpu
+
+    def burn(seconds: float) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < seconds:
+            pass
+
+    with _ThreadCpu() as cpu:
+        worker = threading.Thread(target=burn, args=(0.3,))
+        worker.start()
+        worker.join()  # ended before the block does: its last sample counts
+        burn(0.05)
+    assert 0.25 <= cpu.busiest <= cpu.total
+    assert cpu.total >= 0.3
 
 
 def test_bench_save_of_many_small_tensors(tmp_path: Path) -> None:
