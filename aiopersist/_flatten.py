@@ -285,17 +285,21 @@ def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _dedupe(walker: _Walker, flat: Flattened, *, materialize_views: bool) -> None:
-    groups: dict[tuple[str, object], list[tuple[str, torch.Tensor]]] = {}  # in walk order
+    groups: dict[tuple[object, object], list[tuple[str, torch.Tensor]]] = {}  # in walk order
     for name, t in walker.tensors:
         storage = t.untyped_storage()
         # Empty tensors share no bytes with anything, whatever their data pointer says.
         key = (
             ("empty", name)
             if t.numel() == 0 or storage.nbytes() == 0
-            else (str(t.device), storage.data_ptr())
+            else (t.device, storage.data_ptr())
         )
         groups.setdefault(key, []).append((name, t))
     for members in groups.values():
+        if len(members) == 1:  # the common case: a storage of its own
+            name, t = members[0]
+            flat.stored.append(StoredTensor(name, t))
+            continue
         distinct = {_view_key(t) for _, t in members}
         if len(distinct) == 1 or materialize_views:
             # Identical views (tied weights) are stored once; with materialize_views, each

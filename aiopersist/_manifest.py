@@ -226,7 +226,9 @@ def _canonical(doc: Mapping[str, Any]) -> bytes:
 
 
 def dump_manifest(manifest: Manifest) -> bytes:
-    """The manifest file's bytes: compact JSON with a checksum of its canonical form."""
+    """The manifest file's bytes: compact JSON with a checksum of its canonical form. The
+    file keeps the state's key order (a load gives the tensors back in it); the canonical
+    form, keys sorted, is only hashed."""
     doc = manifest.to_json()
     doc["manifest_checksum"] = xxhash.xxh3_64_hexdigest(_canonical(doc))
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode() + b"\n"

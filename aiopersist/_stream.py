@@ -36,14 +36,6 @@ class Hasher(Protocol):
     def update(self, data: Buffer, /) -> None: ...
 
 
-def as_bytes_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D ``uint8`` view of a CPU tensor's bytes (a contiguous copy if it is not contiguous)."""
-    if t.device.type != "cpu":
-        raise ValueError(f"expected a CPU tensor, got one on {t.device}")
-    flat = t.contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-
-
 _GATHER_IN_THREAD = 1 << 20
 """A non-contiguous block this large is gathered in a worker thread (a copy that size
 would hold the event loop for a millisecond or more)."""
@@ -300,10 +292,13 @@ class FileWriter:
                 await self.write(gathered, stable=True)  # the gathered copy is this writer's own
             return
         if isinstance(data, torch.Tensor):
-            src: torch.Tensor | memoryview = as_bytes_tensor(data)
+            if data.device.type != "cpu":
+                raise ValueError(f"expected a CPU tensor, got one on {data.device}")
+            src: torch.Tensor | memoryview = data  # contiguous: its bytes from data_ptr() on
+            n = data.numel() * data.element_size()
         else:
             src = memoryview(data).cast("B")
-        n = len(src)
+            n = len(src)
         pos = 0
         now: list[_CopyJob] = []  # copies to run before returning (unstable data)
         while pos < n:
