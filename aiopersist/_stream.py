@@ -522,6 +522,11 @@ async def _run_copies(jobs: Sequence[_CopyJob]) -> None:
         await to_thread_to_the_end(_copy_all_jobs, jobs)
 
 
+def _copy_out_of(copies: Sequence[tuple[int, int, int]]) -> None:
+    for dst, src, n in copies:
+        copy_bytes(dst, src, n)
+
+
 def _settle_future(fut: asyncio.Future[None], outcome: BaseException | None) -> None:
     """Resolve ``fut`` once (later calls do nothing); its exception counts as seen."""
     if fut.done():
@@ -625,12 +630,19 @@ async def read_segments(
                 if got < min(we, last) - ws:
                     raise short(ws)
                 i = max(bisect.bisect_right(starts, ws) - 1, 0)
+                copies: list[tuple[int, int, int]] = []
                 while i < len(staged) and staged[i][0] < we:
                     off, dest = staged[i]
                     lo, hi = max(ws, off), min(we, off + dest.numel())
                     if lo < hi:
-                        copy_bytes(dest.data_ptr() + lo - off, buf.address + lo - ws, hi - lo)
+                        copies.append((dest.data_ptr() + lo - off, buf.address + lo - ws, hi - lo))
                     i += 1
+                # A window's copies out (one or thousands of small tensors) in one go: in a
+                # worker thread when they are large, awaited to its end (it reads ``buf``).
+                if sum(n for _, _, n in copies) < _INLINE_COPY:
+                    _copy_out_of(copies)
+                else:
+                    await to_thread_to_the_end(_copy_out_of, copies)
             finally:
                 pool.release(buf)
 
