@@ -195,19 +195,26 @@ def _bench_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_modes(text: str, known: Sequence[str], bench: str) -> tuple[str, ...] | None:
+    """``--modes`` of ``bench train`` and ``bench gpu``: comma-separated, among ``known``,
+    with the ``none`` baseline; ``None`` (said on stderr) otherwise."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    if any(m not in known for m in modes) or "none" not in modes:
+        print(
+            f"aiopersist bench {bench}: --modes must name 'none' and only {', '.join(known)}; got {text!r}",
+            file=sys.stderr,
+        )
+        return None
+    return modes
+
+
 def _bench_train(args: argparse.Namespace) -> int:
     import torch
 
     from ._bench_train import MODES, format_train, run_train
 
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or "none" not in modes:
-        print(
-            f"aiopersist bench train: --modes must name 'none' and only {', '.join(MODES)}; "
-            f"got {args.modes!r}",
-            file=sys.stderr,
-        )
+    modes = _bench_modes(args.modes, MODES, "train")
+    if modes is None:
         return 2
     if args.torch_threads:
         # Leaves cores to the writer: an OpenMP team waits for its slowest thread, so a
@@ -229,13 +236,8 @@ def _bench_train(args: argparse.Namespace) -> int:
 def _bench_gpu(args: argparse.Namespace) -> int:
     from ._bench_gpu import CADENCES, MODES, format_gpu, run_gpu, write_outputs
 
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or "none" not in modes:
-        print(
-            f"aiopersist bench gpu: --modes must name 'none' and only {', '.join(MODES)}; got {args.modes!r}",
-            file=sys.stderr,
-        )
+    modes = _bench_modes(args.modes, MODES, "gpu")
+    if modes is None:
         return 2
     try:
         cadences = tuple(int(c) for c in args.every.split(",") if c.strip())

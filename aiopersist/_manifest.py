@@ -479,13 +479,19 @@ def _tensor_fast(name: str, spec: Any, files: Mapping[str, FileRecord]) -> Tenso
     return TensorRecord(name, file, begin, end, dtype, tuple(shape), checksum)
 
 
+def _listed_file(spec: Mapping[str, Any], what: str, files: Mapping[str, FileRecord], where: str) -> str:
+    """``spec["file"]``, a name the manifest's ``files`` lists."""
+    file = _str(spec.get("file"), f"{what}.file", where)
+    if file not in files:
+        raise CheckpointCorruptError(f"{where}: {what}.file: {file!r} is not listed in files")
+    return file
+
+
 def _tensor(name: str, spec: Any, files: Mapping[str, FileRecord], where: str) -> TensorRecord:
     """A tensor record checked field by field: `CheckpointCorruptError` names the field."""
     what = f"tensors[{name!r}]"
     spec = _object(spec, what, where)
-    file = _str(spec.get("file"), f"{what}.file", where)
-    if file not in files:
-        raise CheckpointCorruptError(f"{where}: {what}.file: {file!r} is not listed in files")
+    file = _listed_file(spec, what, files, where)
     begin, end = _pair(spec.get("offsets"), f"{what}.offsets", where)
     dtype = _dtype(spec.get("dtype"), f"{what}.dtype", where)
     shape = _shape(spec.get("shape"), f"{what}.shape", where)
@@ -510,9 +516,7 @@ def _sliced(name: str, spec: Any, files: Mapping[str, FileRecord], where: str) -
     for i, piece in enumerate(_list(spec.get("slices"), f"{what}.slices", where)):
         at = f"{what}.slices[{i}]"
         piece = _object(piece, at, where)
-        file = _str(piece.get("file"), f"{at}.file", where)
-        if file not in files:
-            raise CheckpointCorruptError(f"{where}: {at}.file: {file!r} is not listed in files")
+        file = _listed_file(piece, at, files, where)
         begin, end = _pair(piece.get("offsets"), f"{at}.offsets", where)
         r0, r1 = _pair(piece.get("rows"), f"{at}.rows", where)
         if r0 != pos or r1 <= r0:

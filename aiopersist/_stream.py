@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import itertools
 import os
-from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -36,9 +36,18 @@ class Hasher(Protocol):
     def update(self, data: Buffer, /) -> None: ...
 
 
-_GATHER_IN_THREAD = 1 << 20
-"""A non-contiguous block this large is gathered in a worker thread (a copy that size
-would hold the event loop for a millisecond or more)."""
+_IN_THREAD_BYTES = 256 << 10
+"""Copies of this many bytes or more (a gather, a buffer's batch of pieces, a staging
+window's copies out) run in a worker thread; smaller ones on the event loop, where a
+thread hop would cost more than the copy."""
+
+
+async def _copy_off_loop(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, a copy of ``nbytes``: in a worker thread awaited to its end (it
+    touches a staging buffer or a tensor the caller owns) when large, else inline."""
+    if nbytes < _IN_THREAD_BYTES:
+        return fn(*args)
+    return await to_thread_to_the_end(fn, *args)
 
 
 def strided_blocks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
@@ -285,10 +294,9 @@ class FileWriter:
             return
         if isinstance(data, torch.Tensor) and not data.is_contiguous() and data.numel():
             for block in strided_blocks(data, self._pool.buffer_bytes):
-                if block.numel() * block.element_size() >= _GATHER_IN_THREAD:
-                    gathered = await asyncio.to_thread(torch.Tensor.contiguous, block)
-                else:
-                    gathered = block.contiguous()
+                gathered = await _copy_off_loop(
+                    block.numel() * block.element_size(), torch.Tensor.contiguous, block
+                )
                 await self.write(gathered, stable=True)  # the gathered copy is this writer's own
             return
         if isinstance(data, torch.Tensor):
@@ -500,10 +508,6 @@ _CopyJob = tuple[AlignedBuffer, int, "torch.Tensor | memoryview", int, int]
 memory stays alive until the copy has run."""
 
 
-_INLINE_COPY = 256 << 10
-"""Copies this small in total run on the event loop: a thread hop would cost more."""
-
-
 def _copy_all_jobs(jobs: Sequence[_CopyJob]) -> None:
     for buf, offset, src, src_offset, n in jobs:
         if isinstance(src, torch.Tensor):
@@ -513,13 +517,8 @@ def _copy_all_jobs(jobs: Sequence[_CopyJob]) -> None:
 
 
 async def _run_copies(jobs: Sequence[_CopyJob]) -> None:
-    """Run ``jobs``: in a worker thread (memmove lets go of the GIL), awaited to its end
-    even if the caller is cancelled (the thread writes into a staging buffer), or inline
-    when they are small."""
-    if sum(j[4] for j in jobs) < _INLINE_COPY:
-        _copy_all_jobs(jobs)
-    else:
-        await to_thread_to_the_end(_copy_all_jobs, jobs)
+    """Run ``jobs`` (memmove lets go of the GIL), off the loop when they are large."""
+    await _copy_off_loop(sum(j[4] for j in jobs), _copy_all_jobs, jobs)
 
 
 def _copy_out_of(copies: Sequence[tuple[int, int, int]]) -> None:
@@ -637,12 +636,8 @@ async def read_segments(
                     if lo < hi:
                         copies.append((dest.data_ptr() + lo - off, buf.address + lo - ws, hi - lo))
                     i += 1
-                # A window's copies out (one or thousands of small tensors) in one go: in a
-                # worker thread when they are large, awaited to its end (it reads ``buf``).
-                if sum(n for _, _, n in copies) < _INLINE_COPY:
-                    _copy_out_of(copies)
-                else:
-                    await to_thread_to_the_end(_copy_out_of, copies)
+                # A window's copies out (one or thousands of small tensors) in one go.
+                await _copy_off_loop(sum(n for _, _, n in copies), _copy_out_of, copies)
             finally:
                 pool.release(buf)
 

@@ -118,10 +118,11 @@ else
     step_done venv failed "$t" "python -m venv failed: see check.log"
 fi
 VPY="$VENV/bin/python"
+pip_install() { "${PIP[@]}" install -q --disable-pip-version-check --no-index --no-deps "$@" >>"$LOG" 2>&1; }
 
 # -- 2. the wheels and the package ------------------------------------------------------------
 t=$(date +%s)
-if "${PIP[@]}" install -q --disable-pip-version-check --no-index --no-deps "$BUNDLE"/wheels/*.whl >>"$LOG" 2>&1; then
+if pip_install "$BUNDLE"/wheels/*.whl; then
     step_done wheels ok "$t" "$(ls "$BUNDLE/wheels" | wc -l) wheels"
 else
     step_done wheels failed "$t" "pip could not install the bundle's wheels: see check.log"
@@ -131,7 +132,7 @@ URING_VERSION=$("$PYTHON" -c 'import json,sys; print(json.load(open(sys.argv[1])
 if CFLAGS="-I$BUNDLE/liburing/include ${CFLAGS:-}" \
     LDFLAGS="-L$BUNDLE/liburing/lib -Wl,-rpath,$BUNDLE/liburing/lib ${LDFLAGS:-}" \
     AIOPERSIST_LIBURING_VERSION="$URING_VERSION" \
-    "${PIP[@]}" install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1; then
+    pip_install --no-build-isolation -e .; then
     native=$("$VPY" -c 'from aiopersist import _native as n; print("ok" if n.has_liburing else "missing: " + str(n.unavailable_reason))' 2>>"$LOG")
     if [ "$native" = ok ]; then
         step_done package ok "$t" "native module built against liburing $URING_VERSION"

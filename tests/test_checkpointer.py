@@ -51,6 +51,21 @@ async def test_done_only_once_durable_and_published(backend_name: str, tmp_path:
     await aiopersist.verify(tmp_path / "c")
 
 
+async def test_staged_seconds_is_set_when_staged_and_not_for_a_save_that_failed_before(
+    backend_name: str, tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("x")
+    async with aiopersist.Checkpointer(backend=backend_name) as ck:
+        handle = await ck.save(_state(), tmp_path / "c")
+        await handle.staged
+        assert handle.staged_seconds is not None
+        await handle.done
+        failed = await ck.save(_state(), tmp_path / "file" / "c")  # the parent is a file
+        with pytest.raises(aiopersist.CheckpointIOError):
+            await failed.done
+        assert failed.staged_seconds is None
+
+
 async def test_errors_reach_both_futures_with_their_type(backend_name: str, tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     async with aiopersist.Checkpointer(backend=backend_name) as ck:
