@@ -5,14 +5,6 @@ The implementation lives in private modules; this module only re-exports the pub
 
 from __future__ import annotations
 
-from ._api import SaveInfo as SaveInfo
-from ._api import TorchSave as TorchSave
-from ._api import VerifyReport as VerifyReport
-from ._api import load as load
-from ._api import load_sync as load_sync
-from ._api import save as save
-from ._api import save_sync as save_sync
-from ._api import verify as verify
 from ._backends import IOBackend as IOBackend
 from ._backends import UringProbe as UringProbe
 from ._backends import create_backend as create_backend
@@ -22,6 +14,8 @@ from ._blocking import BlockingCheckpointer as BlockingCheckpointer
 from ._blocking import BlockingCheckpointManager as BlockingCheckpointManager
 from ._blocking import BlockingManagedSaveHandle as BlockingManagedSaveHandle
 from ._blocking import BlockingSaveHandle as BlockingSaveHandle
+from ._blocking import load_sync as load_sync
+from ._blocking import save_sync as save_sync
 from ._checkpointer import Checkpointer as Checkpointer
 from ._checkpointer import SaveHandle as SaveHandle
 from ._checkpointer import SnapshotBudgetError as SnapshotBudgetError
@@ -39,10 +33,16 @@ from ._exceptions import DiskFullError as DiskFullError
 from ._exceptions import RankFailedError as RankFailedError
 from ._exceptions import StateMismatchError as StateMismatchError
 from ._exceptions import UnsupportedStateError as UnsupportedStateError
+from ._load import VerifyReport as VerifyReport
+from ._load import load as load
+from ._load import verify as verify
 from ._manager import CheckpointManager as CheckpointManager
 from ._manager import ManagedSaveHandle as ManagedSaveHandle
 from ._manager import StepInfo as StepInfo
 from ._rng import RNGState as RNGState
+from ._save import SaveInfo as SaveInfo
+from ._save import TorchSave as TorchSave
+from ._save import save as save
 from ._staging import StagingPool as StagingPool
 from ._stream import FileWriter as FileWriter
 from ._stream import read_segments as read_segments

@@ -88,13 +88,13 @@ from typing import Any, Literal, TextIO
 import torch
 
 from . import _knobs
-from ._api import load as _aiopersist_load
-from ._api import save as _aiopersist_save
 from ._backends import resolve_backend_name
 from ._bench import _CacheDropper, _fio_run, _GiB, _HugePages, _MiB, _rotated, _size_text, _thp_mode
 from ._commit import fsync_directory
 from ._direct import PAGE_SIZE, probe_directory
 from ._exceptions import BackendUnavailableError
+from ._load import load as _aiopersist_load
+from ._save import save as _aiopersist_save
 
 Kind = Literal["save", "load"]
 

@@ -50,8 +50,7 @@ from typing import Any, TextIO
 import torch
 import torch.nn.functional as F
 
-from ._api import load_sync
-from ._blocking import BlockingCheckpointer, BlockingSaveHandle
+from ._blocking import BlockingCheckpointer, BlockingSaveHandle, load_sync
 
 # aiopersist's modes first: when the time budget cuts a round short, they have run.
 MODES: tuple[str, ...] = ("none", "fence", "snapshot", "dcp", "torch.save")
@@ -432,9 +431,7 @@ def _load_gbps(path: str, device: torch.device, rounds: int) -> dict[str, float 
     """aiopersist.load(map_location=device) against safetensors' load_file on its files."""
     from safetensors.torch import load_file
 
-    files = sorted(
-        os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")
-    )
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
     nbytes = sum(os.path.getsize(f) for f in files)
     times: dict[str, list[float]] = {"aiopersist": [], "safetensors": []}
 

@@ -1,4 +1,5 @@
-"""`BlockingCheckpointer`: the `Checkpointer` for synchronous training loops.
+"""The synchronous twins: `save_sync`, `load_sync`, and `BlockingCheckpointer`, the
+`Checkpointer` for synchronous training loops.
 
 The event loop runs in a background thread (an anyio blocking portal); the calls here
 hand work to it and wait. The training thread keeps the GIL almost all the time: the
@@ -15,21 +16,44 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Self
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, Self, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
 from . import _knobs
-from ._api import ExtraFiles, SaveInfo
 from ._checkpointer import Checkpointer, Mode, OnBusy, SaveHandle
+from ._load import load
 from ._locate import PathArg
 from ._manager import CheckpointManager, ManagedSaveHandle
+from ._save import ExtraFiles, SaveInfo, save
 from ._stream import CudaReady, caller_cuda_ready
 from ._workers import DaemonThreadPool
 
 log = logging.getLogger("aiopersist")
+T = TypeVar("T")
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise RuntimeError(
+        "aiopersist.save_sync()/load_sync() called from a running event loop; use `await aiopersist.save()`"
+    )
+
+
+def save_sync(obj: object, path: str | os.PathLike[str], **kwargs: Any) -> SaveInfo:
+    """Blocking [`save`][aiopersist.save] for plain scripts (runs its own event loop)."""
+    return _run(save(obj, path, **kwargs))
+
+
+def load_sync(path: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """Blocking [`load`][aiopersist.load] for plain scripts (runs its own event loop)."""
+    return _run(load(path, **kwargs))
 
 
 async def _await(fut: Any) -> Any:

@@ -31,24 +31,22 @@ from typing import Any, Literal, cast
 import torch
 
 from . import _knobs
-from ._api import (
-    ExtraFiles,
-    PlannedFile,
-    SaveInfo,
-    TorchSave,
-    plan_files,
-    plan_signature,
-    torch_save_to,
-    write_checkpoint,
-)
 from ._backends import IOBackend, create_backend
 from ._commit import remove_path
 from ._direct import AlignedBuffer, copy_bytes
 from ._dist import Coordinator, coordinator
 from ._exceptions import AiopersistError, ClosedError, maps_os_errors, typed_error
-from ._flatten import Flattened, StoredTensor, flatten
+from ._flatten import Flattened, StoredTensor
 from ._locate import PathArg, checkpoint_paths
-from ._parallel import save_spread
+from ._save import (
+    ExtraFiles,
+    SaveInfo,
+    TorchSave,
+    check_save_arguments,
+    flatten_off_loop,
+    save_state,
+    torch_save_to,
+)
 from ._skeleton import MAX_CONTAINER_DEPTH
 from ._staging import StagingPool
 from ._stream import CudaReady, cuda_ready_streams, record_cuda_ready, settle, use_cuda_ready
@@ -115,8 +113,8 @@ class _Slot:
 
 
 @dataclass(frozen=True)
-class _Spread:
-    """A save over several directories or ranks (see `_parallel`)."""
+class _Target:
+    """Where a save goes: its directories, and the ranks that write it."""
 
     paths: list[str]
     coord: Coordinator | None
@@ -124,9 +122,10 @@ class _Spread:
 
 
 class Checkpointer:
-    """Long-lived saver: keeps the ring, the staging pool, the snapshot memory and the
-    file plan between saves. Use from one event loop; `aclose` when done (or
-    ``async with``). Synchronous training loops use `BlockingCheckpointer`."""
+    """Long-lived saver: keeps the ring, the staging pool and the snapshot memory between
+    saves (and the file plan, while the state's structure stays the same). Use from one
+    event loop; `aclose` when done (or ``async with``). Synchronous training loops use
+    `BlockingCheckpointer`."""
 
     def __init__(
         self,
@@ -161,7 +160,6 @@ class Checkpointer:
         self._tasks: set[asyncio.Future[None]] = set()  # the saves and the deletions
         self._deletions: set[asyncio.Future[None]] = set()
         self._handles: list[SaveHandle] = []
-        self._plan: tuple[tuple[object, ...], list[PlannedFile]] | None = None
         # Snapshot memory, one area per save in flight, reused: a save takes a free area
         # and gives it back once its write is over, never while it is being written from.
         self._snapshots: list[AlignedBuffer] = []
@@ -231,25 +229,9 @@ class Checkpointer:
         try:
             if self._closed:
                 raise ClosedError("the Checkpointer was closed while this save waited for a slot")
-            spread: _Spread | None = None
-            planned: list[PlannedFile] = []
-            flat: Flattened | Exception
-            if coord is not None or len(paths) > 1:
-                if extra_files:
-                    raise ValueError("extra_files: only for a save by one process into one directory")
-                spread = _Spread(paths, coord, replicated)
-                try:
-                    flat = flatten(state, allow_pickle=allow_pickle)
-                except Exception as exc:
-                    if coord is None:
-                        raise
-                    flat = exc  # the other ranks hear of it in the save, and fail with it
-            else:
-                flat = flatten(state, allow_pickle=allow_pickle)
-                signature = plan_signature(flat)
-                if self._plan is None or self._plan[0] != signature:
-                    self._plan = (signature, plan_files(flat, self._max_shard))
-                planned = self._plan[1]
+            check_save_arguments(metadata, extra_files, paths, coord.world_size if coord is not None else 1)
+            where = _Target(paths, coord, replicated)
+            flat = await flatten_off_loop(state, allow_pickle, coord)
             handle = SaveHandle(target, loop.create_future(), loop.create_future())
             # The TorchSave objects are walked once, and only when something needs them.
             snapshot = self.mode == "snapshot" and isinstance(flat, Flattened)
@@ -259,15 +241,14 @@ class Checkpointer:
         except BaseException:
             slot.release()
             raise
+
         def staged_at(fut: asyncio.Future[None]) -> None:
             if not fut.cancelled() and fut.exception() is None:
                 handle.staged_seconds = loop.time() - start
 
         handle.staged.add_done_callback(staged_at)
         task = asyncio.ensure_future(
-            self._run(
-                handle, slot, flat, planned, metadata, overwrite, spread, extra_files, ready, extras, total
-            )
+            self._run(handle, slot, flat, metadata, overwrite, where, extra_files, ready, extras, total)
         )
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._finished(t, handle, slot))
@@ -351,10 +332,9 @@ class Checkpointer:
         handle: SaveHandle,
         slot: _Slot,
         flat: Flattened | Exception,
-        planned: list[PlannedFile],
         metadata: Mapping[str, str] | None,
         overwrite: bool,
-        spread: _Spread | None,
+        where: _Target,
         extra_files: ExtraFiles | None,
         ready: CudaReady,
         extras: _ExtraTensors,
@@ -377,34 +357,20 @@ class Checkpointer:
                     self.snapshot_bytes,
                 )
                 _resolve(handle.staged, None)
-            if spread is not None:
-                info = await save_spread(
-                    self._backend,
-                    self.pool,
-                    flat,
-                    spread.paths,
-                    spread.coord,
-                    replicated=spread.replicated,
-                    metadata=metadata,
-                    overwrite=overwrite,
-                    max_shard_bytes=self._max_shard,
-                    staged=lambda: _resolve(handle.staged, None),
-                    discard=replaced.append,
-                )
-            else:
-                assert isinstance(flat, Flattened)
-                info = await write_checkpoint(
-                    self._backend,
-                    self.pool,
-                    flat,
-                    planned,
-                    handle.path,
-                    metadata=metadata,
-                    overwrite=overwrite,
-                    staged=lambda: _resolve(handle.staged, None),
-                    discard=replaced.append,
-                    extra_files=extra_files,
-                )
+            info = await save_state(
+                self._backend,
+                self.pool,
+                flat,
+                where.paths,
+                where.coord,
+                replicated=where.replicated,
+                metadata=metadata,
+                overwrite=overwrite,
+                max_shard_bytes=self._max_shard,
+                staged=lambda: _resolve(handle.staged, None),
+                discard=replaced.append,
+                extra_files=extra_files,
+            )
         except BaseException as exc:
             error: BaseException | None = typed_error(exc, "save")  # typed on the handle, like save()'s
         else:

@@ -118,7 +118,8 @@ def _demo_once(name: str, state: dict[str, torch.Tensor], directory: str) -> tup
     """One save and one load by ``name``: seconds for each, and whether the state came back."""
     import torch
 
-    from ._api import load, save
+    from ._load import load
+    from ._save import save
 
     if name == "torch.save":
         target = os.path.join(directory, "torch-save.pt")
@@ -304,7 +305,7 @@ def describe(path: str | os.PathLike[str], *, backend: str = "auto") -> dict[str
     ``problem`` field instead (``aiopersist verify`` checks the data).
     """
     from ._locate import locate, part_places, read_manifest
-    from ._manifest import MANIFEST_NAME
+    from ._names import MANIFEST_NAME
 
     target = os.path.abspath(os.fspath(path))
     if os.path.isdir(target) and os.path.lexists(os.path.join(target, MANIFEST_NAME)):
@@ -335,8 +336,8 @@ def describe(path: str | os.PathLike[str], *, backend: str = "auto") -> dict[str
 
 
 async def _read_headers(files: Sequence[str], sizes: Mapping[str, int], backend: str) -> list[FileLayout]:
-    from ._api import _read_header
     from ._backends import open_backend
+    from ._load import _read_header
 
     async with open_backend(backend) as be:
         return [await _read_header(be, f, sizes[f]) for f in files]
@@ -596,7 +597,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ._api import verify
+    from ._load import verify
 
     try:
         report = asyncio.run(verify(args.path, backend=args.backend))
@@ -677,9 +678,9 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
-    from ._commit import OLD_MARKER, TMP_MARKER
     from ._locate import read_manifest
-    from ._manager import TRASH_MARKER, clean_leftovers, delete_step, scan, step_paths, to_delete
+    from ._manager import clean_leftovers, delete_step, scan, step_paths, to_delete
+    from ._names import OLD_MARKER, TMP_MARKER, TRASH_MARKER, step_name
 
     directory = directories[0]
     complete = [s for s in scan(directories) if s.complete]
@@ -707,7 +708,7 @@ def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
             print("dry run: pass --apply to delete")
         return 0
     for step in doomed:
-        paths = step_paths(directories, f"step-{step}")
+        paths = step_paths(directories, step_name(step))
         parts = len(read_manifest(paths[0]).directories) - 1
         if parts > len(directories) - 1:
             print(
@@ -789,8 +790,10 @@ def _fsync_path(path: str, *, directory: bool = False) -> None:
 def _publish(out: str, write: Callable[[str], None]) -> None:
     """``write(tmp)`` to a temporary file beside ``out``, fsync it, rename it to ``out``
     and fsync the directory: ``out`` is either the old file or the complete new one."""
+    from ._names import TMP_MARKER, beside
+
     directory = os.path.dirname(out)
-    tmp = os.path.join(directory, f".{os.path.basename(out)}.aiopersist-tmp-{os.getpid()}")
+    tmp = beside(out, TMP_MARKER, str(os.getpid()))
     try:
         write(tmp)
         _fsync_path(tmp)
@@ -803,7 +806,7 @@ def _publish(out: str, write: Callable[[str], None]) -> None:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from ._api import load
+    from ._load import load
 
     out = os.path.abspath(args.out)
     if os.path.lexists(out) and not args.force:
@@ -938,7 +941,8 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--rounds", type=int, default=2, help="interleaved rounds, at most (default: 2)")
     gpu.add_argument("--every", default="1,10", help="checkpoint cadences in steps (default: 1,10)")
     gpu.add_argument(
-        "--modes", default="none,fence,snapshot,dcp,torch.save",
+        "--modes",
+        default="none,fence,snapshot,dcp,torch.save",
         help="comma-separated modes; 'none' is the baseline (default: all)",
     )
     gpu.add_argument("--budget-s", type=float, help="seconds the benchmark may take: fewer rounds if needed")

@@ -5,7 +5,8 @@ fsynced, then the directory, then it is renamed into place (``renameat2``: swapp
 atomically with an older one when overwriting, never clobbering one otherwise) and the
 parent is fsynced.
 A crash at any point leaves either nothing or a complete checkpoint under the final name;
-leftover temporary directories carry `TMP_MARKER` in their name.
+leftover temporary directories carry `TMP_MARKER` in their name (every on-disk name is
+in `_names`).
 """
 
 from __future__ import annotations
@@ -16,15 +17,12 @@ import errno
 import os
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from ._backends import to_thread_to_the_end
 from ._exceptions import CheckpointExistsError, from_os_error, io_error
-
-TMP_MARKER = ".aiopersist-tmp-"
-OLD_MARKER = ".aiopersist-old-"
+from ._names import OLD_MARKER, beside, temp_path
 
 
 def fsync_directory(path: str) -> None:
@@ -139,7 +137,7 @@ def publish(tmp: str, final: str, overwrite: bool, discard: Callable[[str], None
         if not _exchange(tmp, final, discard):
             _publish_by_two_renames(tmp, final, discard)
         return
-    # No clobbering of a checkpoint that appeared since the check in atomic_directory.
+    # No clobbering of a checkpoint that appeared since the check in make_temp.
     try:
         placed = renameat2(tmp, final, RENAME_NOREPLACE)
     except CheckpointExistsError:
@@ -161,11 +159,23 @@ def publish(tmp: str, final: str, overwrite: bool, discard: Callable[[str], None
     fsync_directory(parent)
 
 
+def publish_with_parts(
+    tmp: str, final: str, parts: Sequence[str], overwrite: bool, discard: Callable[[str], None] = remove_path
+) -> None:
+    """`publish` a checkpoint whose files are also in the part directories ``parts``: their
+    entries are fsynced first (the parts themselves and the directories above them were
+    made durable when `make_directories` created them)."""
+    for part in parts:
+        if os.path.isdir(part):
+            fsync_directory(part)
+    publish(tmp, final, overwrite, discard)
+
+
 def _publish_by_two_renames(tmp: str, final: str, discard: Callable[[str], None]) -> None:
     """Without renameat2: move the old one aside, move the new one in. A crash between
     the two leaves the old checkpoint complete under its moved-aside name."""
     parent = os.path.dirname(final)
-    old = os.path.join(parent, f".{os.path.basename(final)}{OLD_MARKER}{uuid.uuid4().hex[:12]}")
+    old = beside(final, OLD_MARKER, uuid.uuid4().hex[:12])
     try:
         os.rename(final, old)
     except OSError as exc:
@@ -187,13 +197,15 @@ class PendingDirectory:
     final: str
 
 
-def make_temp(final: str | os.PathLike[str], overwrite: bool) -> PendingDirectory:
+def make_temp(final: str | os.PathLike[str], overwrite: bool, token: str | None = None) -> PendingDirectory:
+    """Create the temporary directory of a new checkpoint ``final`` (checked not to exist
+    unless ``overwrite``); its parents are made durably."""
     target = os.path.abspath(os.fspath(final))
     parent = os.path.dirname(target)
     if os.path.lexists(target) and not overwrite:
         raise CheckpointExistsError(f"{target} already exists (pass overwrite=True to replace it)")
     make_directories(parent)
-    tmp = os.path.join(parent, f".{os.path.basename(target)}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
+    tmp = temp_path(target, token or uuid.uuid4().hex[:12])
     try:
         os.mkdir(tmp)
     except OSError as exc:
@@ -205,35 +217,3 @@ def remove_empty_directory(path: str) -> None:
     """Remove a directory just made and still empty (one system call); quietly."""
     with contextlib.suppress(OSError):
         os.rmdir(path)
-
-
-@contextlib.asynccontextmanager
-async def atomic_directory(
-    final: str | os.PathLike[str],
-    *,
-    overwrite: bool = False,
-    discard: Callable[[str], None] = remove_path,
-) -> AsyncIterator[PendingDirectory]:
-    """Yield a fresh temporary directory; on success publish it as ``final`` atomically.
-
-    On error or cancellation the temporary directory is removed and nothing under
-    ``final`` changes. ``overwrite=False`` and an existing ``final`` raise
-    [`CheckpointExistsError`][aiopersist.CheckpointExistsError] before anything is written.
-    A replaced checkpoint is handed to ``discard`` (called in a worker thread; it deletes
-    it at once by default), once the new one is durable.
-    """
-    # To its end: a cancellation while the thread makes the directory would leave it
-    # behind; it is removed instead.
-    pending = await to_thread_to_the_end(
-        make_temp, final, overwrite, discard=lambda made: remove_empty_directory(made.tmp)
-    )
-    try:
-        yield pending
-        # Publication runs to its end even if we are cancelled meanwhile: the worker
-        # thread would go on renaming while the cleanup below deleted its files.
-        await to_thread_to_the_end(publish, pending.tmp, pending.final, overwrite, discard)
-    except BaseException:
-        # In a thread (a deletion can take long), waited for even if cancelled again.
-        with contextlib.suppress(BaseException):
-            await to_thread_to_the_end(shutil.rmtree, pending.tmp, True)  # ignore_errors
-        raise

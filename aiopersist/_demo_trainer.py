@@ -35,6 +35,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import transformers
 
+from ._names import TMP_MARKER
 from .integrations.transformers import AioPersistCallback
 
 _GiB = 1 << 30
@@ -234,10 +235,10 @@ def run_demo(directory: str, *, steps: int = 30, every: int = 5, out: TextIO = s
         while time.monotonic() < deadline and child.poll() is None:
             names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
             complete = [n for n in names if n.startswith("checkpoint-")]
-            writing = [n for n in names if ".aiopersist-tmp-" in n]
+            writing = [n for n in names if TMP_MARKER in n]
             if complete and writing and len(complete) * every >= steps // 2:
                 child.send_signal(signal.SIGKILL)
-                killed_at = writing[0].split(".aiopersist-tmp-")[0].lstrip(".")
+                killed_at = writing[0].split(TMP_MARKER)[0].lstrip(".")
                 break
             time.sleep(0.005)
     finally:

@@ -26,6 +26,7 @@ import torch
 
 from . import _knobs, _native
 from ._exceptions import from_os_error
+from ._names import PROBE_PREFIX
 
 log = logging.getLogger("aiopersist")
 
@@ -142,7 +143,7 @@ def probe_directory(directory: str | os.PathLike[str], *, refresh: bool = False)
         return _switched_off(path)
     if not refresh and dev in _cache:
         return dataclasses.replace(_cache[dev], directory=path)
-    scratch = os.path.join(path, f".aiopersist-probe-{uuid.uuid4().hex}")
+    scratch = os.path.join(path, f"{PROBE_PREFIX}{uuid.uuid4().hex}")
     try:
         fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | O_DIRECT, 0o600)
     except OSError as exc:

@@ -289,11 +289,7 @@ def _dedupe(walker: _Walker, flat: Flattened, *, materialize_views: bool) -> Non
     for name, t in walker.tensors:
         storage = t.untyped_storage()
         # Empty tensors share no bytes with anything, whatever their data pointer says.
-        key = (
-            ("empty", name)
-            if t.numel() == 0 or storage.nbytes() == 0
-            else (t.device, storage.data_ptr())
-        )
+        key = ("empty", name) if t.numel() == 0 or storage.nbytes() == 0 else (t.device, storage.data_ptr())
         groups.setdefault(key, []).append((name, t))
     for members in groups.values():
         if len(members) == 1:  # the common case: a storage of its own

@@ -29,18 +29,9 @@ from dataclasses import dataclass
 
 from ._direct import DirectIOInfo, probe_file_for_read
 from ._exceptions import AiopersistError, CheckpointCorruptError, CheckpointNotFoundError, from_os_error
-from ._manifest import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    PART_PREFIX,
-    FileRecord,
-    Manifest,
-    parse_index,
-    parse_manifest,
-)
+from ._manifest import MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_index, parse_manifest
+from ._names import MANIFEST_NAME, MODEL_FILE, MODEL_INDEX, part_dir
 
-MODEL_FILE = "model.safetensors"
-MODEL_INDEX = "model.safetensors.index.json"
 READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 """Flags of every open of a checkpoint's file for reading (plus ``O_DIRECT`` where used)."""
 
@@ -158,12 +149,6 @@ def read_manifest(directory: str) -> Manifest:
     looked at)."""
     mpath = os.path.join(directory, MANIFEST_NAME)
     return parse_manifest(read_small(mpath, MAX_MANIFEST_BYTES), mpath)
-
-
-def part_dir(directory: str, token: str) -> str:
-    """The part directory of the save ``token`` in ``directory`` (one disk's place for the
-    checkpoint)."""
-    return os.path.join(directory, f"{PART_PREFIX}{token}")
 
 
 def own_parts(paths: Sequence[str], token: str | None) -> list[str]:

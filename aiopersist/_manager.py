@@ -35,7 +35,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import shutil
 import socket
 import stat
@@ -47,11 +46,8 @@ from typing import Any
 
 import torch
 
-from ._api import SaveInfo, load
 from ._checkpointer import Checkpointer, Mode, SaveHandle
 from ._commit import (
-    OLD_MARKER,
-    TMP_MARKER,
     fsync_directory,
     make_directories,
     make_temp,
@@ -69,15 +65,24 @@ from ._exceptions import (
     maps_os_errors,
     typed_error,
 )
+from ._load import load
 from ._locate import READ_FLAGS, PathArg, checkpoint_paths, file_problem, locate, own_parts, token_at
-from ._manifest import MANIFEST_NAME, PART_RE, dump_manifest
+from ._manifest import dump_manifest
+from ._names import (
+    LEFTOVER_MARKERS,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    OLD_MARKER,
+    PART_RE,
+    STEP_RE,
+    TRASH_MARKER,
+    beside,
+    step_name,
+)
+from ._save import SaveInfo
 from ._stream import CudaReady
 
 log = logging.getLogger("aiopersist")
-
-STEP_RE = re.compile(r"^step-(\d+)$")
-TRASH_MARKER = ".aiopersist-trash-"
-LOCK_NAME = ".aiopersist-manager.lock"
 
 
 _held_locks: dict[int, weakref.finalize[Any, Any]] = {}
@@ -159,10 +164,6 @@ class DirectoryLock:
     def release(self) -> None:
         """Drop the lock (closing the file drops it); a second call does nothing."""
         self._release()
-
-
-def step_name(step: int) -> str:
-    return f"step-{step}"
 
 
 # -- what is on disk -----------------------------------------------------------------------
@@ -251,8 +252,8 @@ def delete_step(path: PathArg) -> None:
     checkpoint is gone: the next manager start removes them."""
     paths = checkpoint_paths(path)
     primary = paths[0]
-    parent, name = os.path.split(primary)
-    trash = os.path.join(parent, f".{name}{TRASH_MARKER}{uuid.uuid4().hex[:12]}")
+    parent = os.path.dirname(primary)
+    trash = beside(primary, TRASH_MARKER, uuid.uuid4().hex[:12])
     parts = own_parts(paths, token_at(primary)) if len(paths) > 1 else []
     try:
         os.rename(primary, trash)
@@ -288,7 +289,7 @@ def clean_leftovers(directories: Sequence[str]) -> list[str]:
                     fsync_directory(primary)
                     continue
         for name in os.listdir(primary):
-            if TMP_MARKER in name or TRASH_MARKER in name or OLD_MARKER in name:
+            if any(marker in name for marker in LEFTOVER_MARKERS):
                 path = os.path.join(primary, name)
                 remove_path(path)
                 removed.append(path)

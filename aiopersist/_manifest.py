@@ -14,7 +14,6 @@ import gc
 import json
 import math
 import os
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,13 +23,13 @@ import xxhash
 from ._exceptions import CheckpointCorruptError
 from ._flatten import ViewSpec, dtype_of
 from ._format import DTYPES, dtype_name
+from ._names import PART_RE
 from ._skeleton import check_skeleton
 
 FORMAT = "aiopersist"
 VERSION = 2
 """The newest format this version reads. A save that uses nothing of version 2 (several
 directories, several ranks, sliced tensors) writes version 1, which older readers take."""
-MANIFEST_NAME = "aiopersist.json"
 CHECKSUM = "xxh3_64"
 MAX_MANIFEST_BYTES = 1 << 30
 
@@ -240,8 +239,6 @@ MAX_SIZE = 1 << 62
 """Largest byte count, offset or dimension a manifest or header may state."""
 MAX_WORLD_SIZE = 1 << 20
 LAYOUTS = ("state", "hf-model")
-PART_PREFIX = "part-"
-PART_RE = re.compile(rf"^{PART_PREFIX}([0-9a-f]{{8,64}})$")
 """The last component of a part directory: ``part-<token>``, the token of the save."""
 
 

@@ -17,7 +17,8 @@ write it). The algorithm, with ``fair = total bytes / number of writers``:
    ``target = max(fair / 4, min_piece_bytes)``; rows are spread as evenly as possible, the
    first slices taking the extra rows. An owned entry is split only if its owner has more
    than one writer: a slice can only go to the owner's writers anyway. Everything else
-   stays one whole piece (zero-byte entries too, so every name is written).
+   stays one whole piece (zero-byte entries too, so every name is written), and so does
+   everything when there is one writer: it gains nothing from slices.
 2. **Assign**, longest processing time first: the owned pieces, largest first (ties by
    name, then first row), each to the least-loaded writer of its owner; then the
    replicated pieces in the same order, each to the least-loaded writer of all, so they
@@ -199,7 +200,7 @@ def _check(e: Entry, of_rank: dict[int, list[int]]) -> None:
 
 def _slices(e: Entry, total: int, count: int, min_piece_bytes: int) -> int:
     """How many row slices ``e`` is cut into (1: not split), for ``fair = total / count``."""
-    if e.rows < 2 or e.nbytes < 2 * min_piece_bytes or 2 * count * e.nbytes <= total:
+    if count == 1 or e.rows < 2 or e.nbytes < 2 * min_piece_bytes or 2 * count * e.nbytes <= total:
         return 1
     if total >= 4 * count * min_piece_bytes:  # target = fair / 4
         wanted = -(-4 * count * e.nbytes // total)

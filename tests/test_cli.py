@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from aiopersist._manager import LOCK_NAME
+from aiopersist._names import LOCK_NAME
 from tests.conftest import URING_OK
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import aiopersist
-from aiopersist._manager import LOCK_NAME
+from aiopersist._names import LOCK_NAME
 from tests._dist_worker import model_state, sharded_full
 from tests.conftest import URING_OK
 
@@ -84,8 +84,10 @@ def test_replicated_state_over_two_ranks_and_two_dirs(tmp_path: Path, backend: s
     written = [o["ok"]["bytes"] for o in outs]
     assert all(b > 0 for b in written)
     assert max(written) <= 1.25 * (sum(written) / len(written))  # balanced (headers included)
-    # Each rank wrote to its own disk: rank 0 the checkpoint, rank 1 a part of it.
-    assert all("rank00000-dir00" in f for f in outs[0]["ok"]["files"])
+    # Each rank wrote to its own disk: rank 0 the checkpoint (and its manifest), rank 1 a
+    # part of it.
+    assert outs[0]["ok"]["files"][-1] == "aiopersist.json"
+    assert all("rank00000-dir00" in f for f in outs[0]["ok"]["files"][:-1])
     assert all("rank00001-dir01" in f for f in outs[1]["ok"]["files"])
     (part,) = (tmp_path / "b" / "ck").iterdir()
     assert part.name.startswith("part-")

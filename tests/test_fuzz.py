@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import aiopersist
-from aiopersist import _api
+from aiopersist import _load
 from aiopersist._backends._threads import ThreadsBackend
 from aiopersist._manifest import _canonical
 from tests.conftest import URING_OK
@@ -75,7 +75,7 @@ sys.addaudithook(_audit)  # audit hooks cannot be removed: this one records only
 
 @pytest.fixture(autouse=True)
 def _watch_opens_and_allocations(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    real_allocate = _api._allocate
+    real_allocate = _load._allocate
 
     def allocate(shape: tuple[int, ...], dtype: torch.dtype, *args: Any) -> torch.Tensor:
         if WATCH.active:
@@ -85,7 +85,7 @@ def _watch_opens_and_allocations(monkeypatch: pytest.MonkeyPatch) -> Iterator[No
             WATCH.allocated += n * dtype.itemsize
         return real_allocate(shape, dtype, *args)
 
-    monkeypatch.setattr(_api, "_allocate", allocate)
+    monkeypatch.setattr(_load, "_allocate", allocate)
     for cls in [ThreadsBackend] + ([_uring_backend()] if URING_OK else []):
         real_open = cls.open
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import aiopersist
-from aiopersist._manager import LOCK_NAME, TRASH_MARKER, to_delete
+from aiopersist._manager import to_delete
+from aiopersist._names import LOCK_NAME, TRASH_MARKER
 from tests.conftest import URING_OK
 
 BACKENDS = [

@@ -51,6 +51,8 @@ def problems(draw: st.DrawFn) -> tuple[list[Entry], tuple[Writer, ...], int]:
 
 def _expected_slices(e: Entry, entries: Sequence[Entry], writers: Sequence[Writer], min_piece: int) -> int:
     """The splitting rule, restated with exact fractions."""
+    if len(writers) == 1:
+        return 1  # slices gain one writer nothing
     if e.owner is not None and sum(w.rank == e.owner for w in writers) < 2:
         return 1
     fair = Fraction(sum(x.nbytes for x in entries), len(writers))
@@ -426,3 +428,10 @@ def test_writers_for_on_alike_nodes_uses_every_directory_evenly(
 def test_writers_for_rejects_bad_input(local_ranks: list[int], num_dirs: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         writers_for(local_ranks, num_dirs)
+
+
+def test_one_writer_writes_every_entry_whole() -> None:
+    entries = [Entry("big", 64 << 20, 1024), Entry("small", 1 << 10, 16), Entry("mine", 8 << 20, 8, owner=0)]
+    plan = partition(entries, [Writer(0, 0)], min_piece_bytes=1)
+    assert all(p.whole for p in plan.pieces[0])
+    assert [p.name for p in plan.pieces[0]] == ["big", "mine", "small"]

@@ -53,11 +53,11 @@ import numpy as np
 import torch
 
 from .. import _knobs
-from .._api import TorchSave
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Checkpointer, SaveHandle
-from .._commit import TMP_MARKER
 from .._exceptions import CheckpointExistsError
+from .._names import TMP_MARKER
+from .._save import TorchSave
 
 
 def _torch_bytes(obj: object) -> bytes:

@@ -60,13 +60,13 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.training_args import ParallelMode
 
-from .._api import SaveInfo, TorchSave
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode
-from .._commit import TMP_MARKER, remove_path
+from .._commit import remove_path
 from .._dist import coordinator, process0_group
-from .._manager import TRASH_MARKER, check_step, delete_step
-from .._manifest import MANIFEST_NAME
+from .._manager import check_step, delete_step
+from .._names import MANIFEST_NAME, TMP_MARKER, TRASH_MARKER
+from .._save import SaveInfo, TorchSave
 
 log = logging.getLogger("aiopersist")
 

@@ -1,5 +1,6 @@
-"""The spread planner (pure): describing a rank's state and planning files from every
-rank's description, without processes or files."""
+"""The write plan (pure): describing a rank's state and planning files from every rank's
+description, without processes or files. One process in one directory is the case of
+one rank and one writer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from aiopersist._exceptions import StateMismatchError
 from aiopersist._flatten import flatten
 from aiopersist._manifest import RankState
-from aiopersist._parallel import RankDesc, TensorDesc, describe, plan_spread, rank_state
+from aiopersist._plan import RankDesc, TensorDesc, describe, plan_write, rank_state
 
 
 def _desc(rank: int, tensors: list[TensorDesc], local_rank: int | None = None) -> RankDesc:
@@ -55,7 +56,7 @@ def test_replicated_tensors_are_split_between_ranks_and_cover_every_row() -> Non
     big = _t("big", (4096, 1024))  # 16 MiB: split in row slices
     small = [_t(f"s{i}", (256, 256)) for i in range(8)]
     descs = [_desc(r, [big, *small]) for r in range(2)]
-    plan = plan_spread(descs, num_dirs=2, max_shard_bytes=1 << 40)
+    plan = plan_write(descs, num_dirs=2, max_shard_bytes=1 << 40)
     assert plan.imbalance <= 1.05
     assert {f.rank for f in plan.files} == {0, 1}
     assert {(f.rank, f.directory) for f in plan.files} == {(0, 0), (1, 1)}
@@ -68,15 +69,15 @@ def test_replicated_tensors_are_split_between_ranks_and_cover_every_row() -> Non
 
 def test_plans_are_cached_and_deterministic() -> None:
     descs = [_desc(r, [_t("a", (64, 64)), _t("b", (32,))]) for r in range(2)]
-    assert plan_spread(descs, 1, 1 << 30) is plan_spread(list(descs), 1, 1 << 30)
+    assert plan_write(descs, 1, 1 << 30) is plan_write(list(descs), 1, 1 << 30)
     again = [_desc(r, [_t("a", (64, 64)), _t("b", (32,))]) for r in range(2)]
-    assert plan_spread(again, 1, 1 << 30) == plan_spread(descs, 1, 1 << 30)
+    assert plan_write(again, 1, 1 << 30) == plan_write(descs, 1, 1 << 30)
 
 
 def test_ranks_that_disagree_on_shared_tensors_fail_alike() -> None:
     descs = [_desc(0, [_t("a", (4,))]), _desc(1, [_t("a", (5,))])]
     with pytest.raises(StateMismatchError, match="differ between rank 0 and rank 1"):
-        plan_spread(descs, 1, 1 << 30)
+        plan_write(descs, 1, 1 << 30)
 
 
 def test_shards_must_tile_their_tensor() -> None:
@@ -84,14 +85,14 @@ def test_shards_must_tile_their_tensor() -> None:
         _desc(0, [_t("w", (3, 4), "shard", whole_shape=(5, 4), row_start=0)]),
         _desc(1, [_t("w", (2, 4), "shard", whole_shape=(5, 4), row_start=3)]),
     ]
-    plan = plan_spread(ok, 1, 1 << 30)
+    plan = plan_write(ok, 1, 1 << 30)
     assert _covered(plan, "w") == [(0, 3), (3, 5)]
     gap = [
         _desc(0, [_t("w", (2, 4), "shard", whole_shape=(5, 4), row_start=0)]),
         _desc(1, [_t("w", (2, 4), "shard", whole_shape=(5, 4), row_start=3)]),
     ]
     with pytest.raises(StateMismatchError, match="do not tile"):
-        plan_spread(gap, 1, 1 << 30)
+        plan_write(gap, 1, 1 << 30)
 
 
 def test_an_empty_shard_writes_nothing() -> None:
@@ -99,16 +100,61 @@ def test_an_empty_shard_writes_nothing() -> None:
         _desc(0, [_t("w", (2, 4), "shard", whole_shape=(2, 4), row_start=0)]),
         _desc(1, [_t("w", (0, 4), "shard", whole_shape=(2, 4), row_start=2)]),
     ]
-    plan = plan_spread(descs, 1, 1 << 30)
+    plan = plan_write(descs, 1, 1 << 30)
     assert _covered(plan, "w") == [(0, 2)]
     assert {f.rank for f in plan.files} == {0}
 
 
 def test_files_are_cut_at_max_shard_bytes() -> None:
-    descs = [_desc(0, [_t(f"t{i}", (256, 256)) for i in range(6)])]  # 6 x 256 KiB
-    plan = plan_spread(descs, 1, 600 << 10)
-    assert len(plan.files) == 3
-    assert all(f.name.startswith("state-rank00000-dir00-0000") for f in plan.files)
+    tensors = [_t(f"t{i}", (256, 256)) for i in range(6)]  # 6 x 256 KiB
+    plan = plan_write([_desc(0, tensors)], 2, 600 << 10)  # two writers: named after them
+    assert sorted(f.name for f in plan.files) == [
+        "state-rank00000-dir00-00001.safetensors",
+        "state-rank00000-dir00-00002.safetensors",
+        "state-rank00000-dir01-00001.safetensors",
+        "state-rank00000-dir01-00002.safetensors",
+    ]
+    assert (plan.spread, plan.layout) == (True, "state")
+    alone = plan_write([_desc(0, tensors)], 1, 600 << 10)  # one writer: Hugging Face's names
+    assert [f.name for f in alone.files] == [f"state-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert (alone.spread, alone.needs_index) == (False, False)
+
+
+def _model(rank: int, tensors: list[TensorDesc]) -> RankDesc:
+    return RankDesc(rank, rank, tuple(tensors), RankState({}), "tok", model_only=True)
+
+
+def test_one_writer_keeps_state_order_and_never_slices() -> None:
+    tensors = [
+        _t("a", (3,)),
+        TensorDesc("h", "h", "F16", (5,), 2, "replicated"),
+        _t("big", (8192, 1024)),  # 32 MiB: alone it stays whole
+        TensorDesc("d", "d", "F64", (2,), 8, "replicated"),
+        _t("b", (4,)),
+    ]
+    plan = plan_write([_model(0, tensors)], 1, 1 << 40)
+    assert [f.name for f in plan.files] == ["model.safetensors"]
+    # Largest alignment first, then the state's order: what a single-file save always did.
+    assert [p.target for p in plan.files[0].parts] == ["d", "a", "big", "b", "h"]
+    assert all(p.target_rows is None for p in plan.files[0].parts)
+    assert (plan.layout, plan.spread, plan.sliced) == ("hf-model", False, {})
+    shards = plan_write([_model(0, tensors)], 1, 16 << 20)
+    assert [f.name for f in shards.files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert shards.needs_index
+    # Two writers are a spread save: writer names, and a model is just state there.
+    two = plan_write([_model(0, tensors)], 2, 1 << 40)
+    assert (two.layout, two.spread, two.needs_index) == ("state", True, False)
+
+
+def test_an_empty_state_still_has_its_one_file() -> None:
+    plan = plan_write([_desc(0, [])], 1, 1 << 30)
+    assert [(f.name, f.parts) for f in plan.files] == [("state.safetensors", ())]
+    assert plan_write([_desc(0, []), _desc(1, [])], 1, 1 << 30).files == ()
+
+
+def test_plan_refuses_a_shard_size_that_is_not_positive() -> None:
+    with pytest.raises(ValueError, match="max_shard_bytes"):
+        plan_write([_desc(0, [])], 1, 0)
 
 
 def test_part_hasher_splits_a_stream_into_parts() -> None:

@@ -1,0 +1,558 @@
+"""``load`` and ``verify``: a checkpoint read back, checked as it is read.
+
+Read path: locate (what is at the path) -> manifest (validated) -> engine reads (straight
+into the destination where aligned) -> checksum -> tensors -> the object rebuilt, or loaded
+in place into ``into``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from ._backends import IOBackend, open_backend, to_thread_to_the_end
+from ._direct import AlignedBuffer, DirectIOInfo, empty_for_direct_read
+from ._exceptions import (
+    AiopersistError,
+    CheckpointCorruptError,
+    StateMismatchError,
+    UnsupportedStateError,
+    maps_os_errors,
+)
+from ._flatten import build_view, flatten
+from ._format import FileLayout, header_length, parse_header
+from ._into import load_into
+from ._locate import READ_FLAGS, Located, PathArg, locate
+from ._manifest import FileRecord, Manifest, RankState, new_hasher
+from ._readplan import FileRead, ReadPlan, Span, check_tiling, plan_read, plan_safetensors
+from ._skeleton import decode
+from ._staging import StagingPool
+from ._stream import read_segments, run_all, settle
+from ._workers import DaemonThreadPool
+
+
+class _Prefaulter:
+    """Faults destination memory in, in file order, in one background thread, so that the
+    page faults and zeroing of fresh memory overlap the reads instead of stalling them.
+
+    Mappings are collected while a file's tensors are allocated and handed to the thread
+    by `start`: faulting holds the process's memory-map lock, and every further ``mmap``
+    on the event loop's thread would wait for it.
+    """
+
+    def __init__(self) -> None:
+        self._pool = DaemonThreadPool(1, thread_name_prefix="aiopersist-prefault")
+        self._waiting: list[AlignedBuffer] = []
+
+    def __call__(self, mem: AlignedBuffer) -> None:
+        self._waiting.append(mem)
+
+    def start(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for mem in waiting:
+            self._pool.submit(mem.populate)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _allocate(
+    shape: tuple[int, ...], dtype: torch.dtype, offset: int, direct_ok: bool, prefault: _Prefaulter
+) -> torch.Tensor:
+    """The one place a load allocates a tensor: large tensors get memory the kernel can
+    read into directly (no staging copy), placed at ``offset`` modulo the alignment."""
+    if direct_ok:
+        return empty_for_direct_read(shape, dtype, offset, prefault)
+    return torch.empty(shape, dtype=dtype)
+
+
+_HASH_GROUP = 64 << 20
+_GROUPS_AHEAD = 4
+
+
+def _groups(
+    segments: Sequence[tuple[int, torch.Tensor]], group_bytes: int
+) -> list[list[tuple[int, torch.Tensor]]]:
+    """Consecutive segments bundled into groups of at least ``group_bytes`` (the last may
+    be smaller); a segment is never split."""
+    groups: list[list[tuple[int, torch.Tensor]]] = [[]]
+    size = 0
+    for seg in segments:
+        if size >= group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(seg)
+        size += seg[1].numel()
+    return groups
+
+
+def _update(hasher: Any, parts: Sequence[torch.Tensor]) -> None:
+    for part in parts:
+        if part.numel():
+            hasher.update(cast(Any, part.numpy()))
+
+
+def _digests(parts: Sequence[torch.Tensor]) -> list[str]:
+    out = []
+    for part in parts:
+        hasher = new_hasher()
+        if part.numel():
+            hasher.update(cast(Any, part.numpy()))
+        out.append(str(hasher.hexdigest()))
+    return out
+
+
+class _Destinations:
+    """The plan's targets, allocated, and the memory each span is read into."""
+
+    def __init__(self, plan: ReadPlan, loc: Located, pool: StagingPool, prefault: _Prefaulter) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._after: list[Callable[[], None]] = []
+        for t in plan.targets:
+            direct_ok = loc.dio.direct and t.nbytes >= pool.buffer_bytes
+            self.tensors[t.name] = _allocate(t.shape, t.dtype, t.offset, direct_ok, prefault)
+
+    def memory(self, span: Span) -> torch.Tensor:
+        """The uint8 view ``span`` is read into (scratch memory for a slice only partly
+        wanted: its wanted rows are copied out by `finish`)."""
+        dest = self.tensors[span.target]
+        if span.rows is not None:
+            rows = (
+                dest.reshape(dest.shape[0] if dest.dim() else 1, -1) if dest.numel() else dest.reshape(0, 0)
+            )
+            dest = rows[span.rows[0] : span.rows[1]]
+            if span.keep is not None:
+                scratch = torch.empty((span.slice_rows, rows.shape[1]), dtype=rows.dtype)
+                k0, k1 = span.keep
+
+                def copy(dst: torch.Tensor = dest, src: torch.Tensor = scratch[k0:k1]) -> None:
+                    dst.copy_(src)
+
+                self._after.append(copy)
+                dest = scratch
+        return dest.reshape(-1).view(torch.uint8)
+
+    def finish(self) -> None:
+        for fn in self._after:
+            fn()
+
+
+async def _read_whole(
+    be: IOBackend,
+    path: str,
+    dio: DirectIOInfo,
+    pool: StagingPool,
+    rec: FileRecord,
+    read: FileRead,
+    dests: _Destinations,
+) -> torch.Tensor:
+    """Read every byte of one file into its spans' memory and check the file's checksum;
+    returns the bytes before the first span (the header, or the whole pickle file)."""
+    head_len = rec.data_offset if rec.data_offset is not None else rec.nbytes
+    check_tiling(read, head_len, rec.nbytes, path)
+    head = torch.empty(head_len, dtype=torch.uint8)
+    parts = [(0, head), *((s.begin, dests.memory(s)) for s in read.spans)]
+    # Read in groups of about _HASH_GROUP bytes, a few groups in flight, and checksum each
+    # group in file order (in a thread) as soon as it is in: the checksum overlaps the reads.
+    hasher = new_hasher()
+    groups = _groups(parts, _HASH_GROUP)
+    ahead = asyncio.Semaphore(_GROUPS_AHEAD)
+
+    async def read_group(group: list[tuple[int, torch.Tensor]]) -> None:
+        async with ahead:
+            await read_segments(be, path, dio, pool, group)
+
+    tasks = [asyncio.ensure_future(read_group(g)) for g in groups]
+    try:
+        for group, task in zip(groups, tasks, strict=True):
+            await task
+            await asyncio.to_thread(_update, hasher, [d for _, d in group])
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await settle(tasks)  # requests in flight write into the tensors until they end
+        raise
+    actual = str(hasher.hexdigest())
+    if actual != rec.checksum:
+        raise CheckpointCorruptError(f"{path}: checksum mismatch (stored {rec.checksum}, computed {actual})")
+    return head
+
+
+async def _read_spans(
+    be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingPool, read: FileRead, dests: _Destinations
+) -> None:
+    """Read just the spans of one file; those with checksums of their own are checked."""
+    memory = [dests.memory(s) for s in read.spans]
+    await read_segments(be, path, dio, pool, [(s.begin, m) for s, m in zip(read.spans, memory, strict=True)])
+    checked = [(s, m) for s, m in zip(read.spans, memory, strict=True) if s.checksum is not None]
+    if not checked:
+        return
+    actual = await asyncio.to_thread(_digests, [m for _, m in checked])
+    for (span, _), got in zip(checked, actual, strict=True):
+        if got != span.checksum:
+            raise CheckpointCorruptError(
+                f"{path}: checksum mismatch in {span.what} (stored {span.checksum}, computed {got})"
+            )
+
+
+async def execute_read(
+    be: IOBackend, loc: Located, pool: StagingPool, prefault: _Prefaulter, plan: ReadPlan
+) -> tuple[dict[str, torch.Tensor], list[object] | None]:
+    """Run a `ReadPlan`: the needed tensors, checked, and the unpickled objects (when the
+    plan reads the pickle file)."""
+    dests = _Destinations(plan, loc, pool, prefault)
+    prefault.start()
+    manifest = loc.manifest
+
+    async def one(read: FileRead) -> None:
+        if manifest is None:  # a plain safetensors file: named by its path
+            await _read_spans(be, read.file, loc.dio, pool, read, dests)
+            return
+        rec = manifest.files[read.file]
+        path = loc.path_of(rec)
+        if read.whole:
+            await _read_whole(be, path, loc.dio, pool, rec, read, dests)
+        else:
+            await _read_spans(be, path, loc.dio, pool, read, dests)
+
+    jobs: list[Any] = [one(read) for read in plan.files]
+    if plan.pickle_file is not None and manifest is not None:
+        rec = manifest.files[plan.pickle_file]
+        jobs.append(
+            _read_whole(be, loc.path_of(rec), loc.dio, pool, rec, FileRead(rec.name, (), True), dests)
+        )
+    done = await run_all(jobs)
+    await asyncio.to_thread(dests.finish)
+    pickled = None
+    if plan.pickle_file is not None:
+        pickled = await asyncio.to_thread(_unpickle, done[-1], loc.directory)
+    return {k: v for k, v in dests.tensors.items() if k in plan.needed}, pickled
+
+
+@dataclass(frozen=True)
+class _Want:
+    """What ``load(into=...)`` needs of one stored tensor: some rows, as a DTensor."""
+
+    rows: tuple[int, int] | None
+    """Rows of a dim-0 sharded tensor this rank holds; ``None``: all of it."""
+    dtensor: torch.Tensor
+    """The target DTensor: its mesh and placements rebuild the loaded one."""
+
+
+def _wants(into: object) -> dict[str, _Want]:
+    """The DTensors in ``into``, by the names a save of ``into`` would give them."""
+    try:
+        flat = flatten(into, allow_pickle=True)
+    except AiopersistError:
+        return {}
+    local = {s.name: s.source for s in flat.stored}
+    out = {}
+    for name, dt in flat.dtensors.items():
+        rows = None
+        if name in flat.sharded and name in local:
+            start = flat.sharded[name][1]
+            rows = (start, start + int(local[name].shape[0]))
+        out[name] = _Want(rows, dt)
+    return out
+
+
+def _as_dtensor(local: torch.Tensor, want: _Want) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    target = want.dtensor
+    assert isinstance(target, DTensor)
+    return DTensor.from_local(
+        local,
+        target.device_mesh,
+        target.placements,
+        run_check=False,
+        shape=target.shape,
+        stride=target.stride(),
+    )
+
+
+async def _load_manifest(
+    be: IOBackend,
+    loc: Located,
+    pool: StagingPool,
+    prefault: _Prefaulter,
+    rank: int,
+    allow_pickle: bool,
+    wants: Mapping[str, _Want],
+) -> Any:
+    manifest = loc.manifest
+    assert manifest is not None
+    state = manifest.rank_state(rank)
+    plan = plan_read(manifest, state, {k: w.rows for k, w in wants.items()}, allow_pickle=allow_pickle)
+    stored, pickled = await execute_read(be, loc, pool, prefault, plan)
+    if plan.checked_spans:
+        for name, want in wants.items():
+            if name not in stored:
+                continue
+            saved = manifest.sliced[name].shape if name in manifest.sliced else manifest.tensors[name].shape
+            if tuple(saved) != tuple(want.dtensor.shape):
+                raise StateMismatchError(
+                    f"{name}: shape {list(saved)} saved, {list(want.dtensor.shape)} here; nothing was loaded"
+                )
+            local = stored[name]
+            if want.rows is not None and name not in plan.wanted_rows:  # read whole: this rank's rows
+                local = local[want.rows[0] : want.rows[1]]
+            stored[name] = _as_dtensor(local, want)
+    return _rebuild(state, stored, pickled)
+
+
+def _unpickle(raw: torch.Tensor, where: str) -> list[object]:
+    try:
+        pickled = pickle.loads(raw.numpy().tobytes())
+    except MemoryError:
+        raise
+    except Exception as exc:  # it passed its checksum: what it names is missing here
+        raise UnsupportedStateError(
+            f"{where}: the pickled objects cannot be unpickled here ({type(exc).__name__}: {exc})"
+        ) from exc
+    if not isinstance(pickled, list):
+        raise CheckpointCorruptError(f"{where}: the pickle file does not hold a list")
+    return pickled
+
+
+async def _read_header(be: IOBackend, path: str, size: int) -> FileLayout:
+    """Read and check a safetensors file's header."""
+    fd = await be.open(path, READ_FLAGS)
+    try:
+        prefix = bytearray(8)
+        got = await be.read(fd, prefix, 0)
+        n = header_length(bytes(prefix[:got]), size, path)
+        raw = bytearray(n)
+        if await be.read(fd, raw, 8) != n:
+            raise CheckpointCorruptError(f"{path}: header is truncated")
+    finally:
+        await be.close(fd)
+    return parse_header(bytes(raw), size, path)
+
+
+def _rank_to_load(manifest: Manifest, rank: int | None) -> int:
+    if rank is not None:
+        if not 0 <= rank < manifest.world_size:
+            raise ValueError(f"rank={rank}, but the checkpoint was saved by {manifest.world_size} ranks")
+        return rank
+    dist = torch.distributed
+    if manifest.world_size > 1 and dist.is_available() and dist.is_initialized():
+        mine = dist.get_rank()
+        if mine < manifest.world_size:
+            return mine
+    return 0
+
+
+def _rebuild(state: RankState, stored: dict[str, torch.Tensor], pickled: list[object] | None) -> Any:
+    tensors = dict(stored)
+    for name, spec in state.views.items():
+        tensors[name] = build_view(stored[spec.base], spec)
+    for name, target in state.aliases.items():
+        tensors[name] = tensors[target]
+
+    def tensor(name: str) -> torch.Tensor:
+        try:
+            return tensors[name]
+        except KeyError:
+            raise CheckpointCorruptError(f"manifest skeleton refers to unknown tensor {name!r}") from None
+
+    def unpickled(i: int) -> object:
+        if pickled is None:
+            raise UnsupportedStateError(
+                "the checkpoint holds pickled objects; pass allow_pickle=True to load() to unpickle them "
+                "(only for checkpoints you trust: unpickling can run code)"
+            )
+        try:
+            return pickled[i]
+        except IndexError:
+            raise CheckpointCorruptError(f"manifest skeleton refers to unknown pickled object {i}") from None
+
+    return decode(state.skeleton, tensor, unpickled)
+
+
+def _to_device(obj: Any, device: torch.device, memo: dict[int, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        key = id(obj)
+        if key not in memo:
+            memo[key] = obj.to(device)
+        return memo[key]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device, memo) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_device(v, device, memo) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_device(v, device, memo) for v in obj)
+    return obj
+
+
+@maps_os_errors("load")
+async def load(
+    path: PathArg,
+    *,
+    into: object = None,
+    map_location: str | torch.device = "cpu",
+    strict: bool = True,
+    backend: str = "auto",
+    allow_pickle: bool = False,
+    rank: int | None = None,
+) -> Any:
+    """Load a checkpoint: the saved object rebuilt, or loaded in place into ``into``.
+
+    Reads an aiopersist checkpoint (checksums verified), a Hugging Face model directory
+    (``model.safetensors`` or shards with an index) or a single safetensors file. Modules
+    and other stateful objects come back as their state dicts; tied tensors come back
+    as one tensor. With ``into`` (a module, an optimizer, anything with
+    ``load_state_dict``, a tensor, or a dict or list holding those), the state is loaded
+    into it and ``into`` is returned; with ``strict``, missing or unexpected keys raise
+    [`StateMismatchError`][aiopersist.StateMismatchError] before anything is changed.
+    Pickled objects are only unpickled with ``allow_pickle=True``.
+
+    A checkpoint saved by several ranks loads in one process or on any number of ranks:
+    shared and sharded tensors come back whole; each rank's own tensors (saved with
+    ``replicated=False``) come back for ``rank``, which defaults to this process's rank
+    in ``torch.distributed`` (0 without it, and 0 for ranks the checkpoint does not have).
+    Only the files that hold what that rank needs are read.
+    """
+    loc = await asyncio.to_thread(locate, path)
+    pool = StagingPool()
+    prefault = _Prefaulter()
+    try:
+        async with open_backend(backend) as be:
+            if loc.manifest is not None:
+                wants = _wants(into) if into is not None and loc.manifest.version >= 2 else {}
+                state = await _load_manifest(
+                    be, loc, pool, prefault, _rank_to_load(loc.manifest, rank), allow_pickle, wants
+                )
+            else:
+                layouts = await run_all(_read_header(be, f, loc.sizes[f]) for f in loc.files)
+                plan = plan_safetensors(zip(loc.files, layouts, strict=True))
+                state, _ = await execute_read(be, loc, pool, prefault, plan)
+    finally:
+        prefault.close()
+        pool.close()
+    if into is not None:
+        load_into(into, state, strict=strict)
+        return into
+    device = torch.device(map_location)
+    if device.type != "cpu":
+        state = _to_device(state, device, {})
+    return state
+
+
+# -- verify ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What `verify` checked."""
+
+    path: str
+    kind: str
+    """``aiopersist`` (manifest and checksums), ``hf-dir`` or ``safetensors`` (headers only)."""
+    files: tuple[str, ...]
+    bytes_checked: int
+    """Bytes read and checked: whole files for ``aiopersist``, headers otherwise."""
+
+
+async def _hash_file(be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingPool, size: int) -> str:
+    """xxh3 of a whole file, read through the pool's buffers with several in flight."""
+    hasher = new_hasher()
+    window = pool.buffer_bytes
+    fd = await be.open(path, READ_FLAGS | dio.open_flags)
+    try:
+
+        async def window_at(pos: int) -> tuple[Any, int]:
+            buf = await pool.acquire()
+            try:
+                length = min(window, dio.align_up(size - pos) if dio.direct else size - pos)
+                got = await be.read(fd, buf.view[:length], pos)
+            except BaseException:
+                pool.release(buf)
+                raise
+            return buf, got
+
+        tasks = [asyncio.ensure_future(window_at(pos)) for pos in range(0, size, window)]
+        try:
+            pos = 0
+            for task in tasks:  # hashed in file order as the windows arrive
+                buf, got = await task
+                try:
+                    want = min(window, size - pos)
+                    if got < want:
+                        raise CheckpointCorruptError(f"{path}: short read at {pos} (file shrank?)")
+                    with buf.view[:want] as part:
+                        await to_thread_to_the_end(hasher.update, part)  # reads the pool's buffer
+                finally:
+                    pool.release(buf)
+                pos += window
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:  # hand back the buffers of windows that were read anyway
+                with contextlib.suppress(BaseException):
+                    buf, _ = await task
+                    pool.release(buf)
+            raise
+    finally:
+        await be.close(fd)
+    return str(hasher.hexdigest())
+
+
+def _spans_by_file(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges the manifest places in each file, sorted."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for t in manifest.tensors.values():
+        spans.setdefault(t.file, []).append((t.begin, t.end))
+    for sl in manifest.sliced.values():
+        for p in sl.slices:
+            spans.setdefault(p.file, []).append((p.begin, p.end))
+    return {name: sorted(found) for name, found in spans.items()}
+
+
+@maps_os_errors("verify")
+async def verify(path: PathArg, *, backend: str = "auto") -> VerifyReport:
+    """Check a checkpoint without building it: the manifest, every file's size and
+    checksum (streamed: memory stays within the staging pool). Hugging Face directories
+    and plain safetensors files have no checksums: their headers are checked.
+
+    Raises [`CheckpointCorruptError`][aiopersist.CheckpointCorruptError] (or a sibling)
+    naming the file and the fault.
+    """
+    loc = await asyncio.to_thread(locate, path)
+    pool = StagingPool()
+    try:
+        async with open_backend(backend) as be:
+            if loc.manifest is None:
+                checked = 0
+                for f in loc.files:
+                    checked += (await _read_header(be, f, loc.sizes[f])).data_offset
+                where = loc.files[0] if loc.kind == "safetensors" else loc.directory
+                return VerifyReport(where, loc.kind, loc.files, checked)
+            spans = _spans_by_file(loc.manifest)
+            names = []
+            for name, rec in loc.manifest.files.items():
+                full = loc.path_of(rec)
+                actual = await _hash_file(be, full, loc.dio, pool, rec.nbytes)
+                if actual != rec.checksum:
+                    raise CheckpointCorruptError(
+                        f"{full}: checksum mismatch (stored {rec.checksum}, computed {actual})"
+                    )
+                if rec.data_offset is not None:
+                    # The file's own header must say what the manifest says, so that any
+                    # safetensors reader sees the same tensors.
+                    layout = await _read_header(be, full, rec.nbytes)
+                    found = sorted(
+                        (layout.data_offset + e.begin, layout.data_offset + e.end) for e in layout.entries
+                    )
+                    if layout.data_offset != rec.data_offset or found != spans.get(name, []):
+                        raise CheckpointCorruptError(f"{full}: its header does not match the manifest")
+                names.append(full)
+            return VerifyReport(loc.directory, "aiopersist", tuple(names), sum(loc.sizes.values()))
+    finally:
+        pool.close()

@@ -1,0 +1,69 @@
+"""Every name aiopersist gives to something on disk (pure: no I/O).
+
+A checkpoint directory holds its data files, `MANIFEST_NAME`, the pickle file and, for a
+sharded model, Hugging Face's index. Beside it, for a while, live the names of work in
+progress; each carries a marker that nothing a user names contains, so that leftovers of
+a crash are recognised (and only they are ever removed by aiopersist):
+
+- ``.NAME.aiopersist-tmp-TOKEN``: a checkpoint being written (`temp_path`);
+- ``.NAME.aiopersist-old-TOKEN``: a replaced checkpoint moved aside, without renameat2;
+- ``.NAME.aiopersist-trash-TOKEN``: a checkpoint being deleted by a manager;
+- ``part-TOKEN``: the share of a checkpoint on another disk (`part_dir`), named by its
+  save's token so that no two saves ever share one;
+- ``.aiopersist-probe-TOKEN``: the scratch file of a direct-I/O probe;
+- ``.aiopersist-manager.lock``: a manager's lock on its directory;
+- ``step-N``: a manager's checkpoint of step ``N``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+MANIFEST_NAME = "aiopersist.json"
+PICKLE_FILE = "pickled.bin"
+"""Where a checkpoint's pickled objects are (``allow_pickle=True``)."""
+MODEL_FILE = "model.safetensors"
+"""Hugging Face's name of a model's weights in one file."""
+MODEL_INDEX = "model.safetensors.index.json"
+"""Hugging Face's index of a sharded model's weights."""
+
+TMP_MARKER = ".aiopersist-tmp-"
+OLD_MARKER = ".aiopersist-old-"
+TRASH_MARKER = ".aiopersist-trash-"
+LEFTOVER_MARKERS = (TMP_MARKER, OLD_MARKER, TRASH_MARKER)
+PROBE_PREFIX = ".aiopersist-probe-"
+LOCK_NAME = ".aiopersist-manager.lock"
+
+PART_PREFIX = "part-"
+PART_RE = re.compile(rf"^{PART_PREFIX}([0-9a-f]{{8,64}})$")
+STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def beside(final: str, marker: str, token: str) -> str:
+    """The hidden sibling of ``final`` with ``marker`` and ``token`` (work in progress)."""
+    return os.path.join(os.path.dirname(final), f".{os.path.basename(final)}{marker}{token}")
+
+
+def temp_path(final: str, token: str) -> str:
+    """Where the checkpoint ``final`` is written before its publication, for the save
+    ``token``."""
+    return beside(final, TMP_MARKER, token)
+
+
+def part_dir(directory: str, token: str) -> str:
+    """The part directory of the save ``token`` in ``directory`` (one disk's place for the
+    checkpoint)."""
+    return os.path.join(directory, f"{PART_PREFIX}{token}")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def leftover_of(name: str) -> str | None:
+    """For a leftover's name (``.NAME<marker>TOKEN``): the ``NAME`` it was for; else ``None``."""
+    for marker in LEFTOVER_MARKERS:
+        if name.startswith(".") and marker in name:
+            return name[1:].split(marker)[0]
+    return None

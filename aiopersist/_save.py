@@ -1,0 +1,691 @@
+"""``save``, and the one executor of a `WritePlan` that every save runs through.
+
+A save, on every rank (one process in one directory is the one-rank, one-writer case):
+
+1. flatten the state (in a worker thread) and `describe` it; rank 0 creates the
+   checkpoint's temporary directory; the ranks exchange their descriptions;
+2. `plan_write` (pure, the same on every rank, cached between saves of one structure);
+3. write this rank's files (tensors copied into staging and checksummed in worker
+   threads, written by the engine, fsynced); rank 0 also writes the pickle file and the
+   extra files; the ranks exchange what they wrote;
+4. rank 0 writes the manifest (and Hugging Face's index for a sharded model), fsyncs the
+   part directories and publishes the temporary directory under the checkpoint's name;
+   the ranks exchange the result.
+
+The primary directory (the first ``path``) is the checkpoint: it holds the manifest and
+its own share of the files. Every further directory gets a part: a fresh subdirectory
+``part-<token>`` of the path given for that disk. Parts never take a name that another
+save could be using, so the rename of the primary is the one commit point of the whole
+save: before it, nothing under the checkpoint's name changed; after it, every part is
+complete and durable. A crash in between leaves unreferenced parts, which nothing reads.
+An error on any rank at any step makes every rank raise, and rank 0 removes the
+temporary directory and the parts: no checkpoint appears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import errno
+import json
+import os
+import pickle
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _knobs
+from ._backends import IOBackend, open_backend, to_thread_to_the_end
+from ._commit import (
+    make_directories,
+    make_temp,
+    publish_with_parts,
+    remove_empty_directory,
+    remove_path,
+)
+from ._direct import DirectIOInfo, probe_directory
+from ._dist import Coordinator, coordinator
+from ._exceptions import UnsupportedStateError, maps_os_errors
+from ._flatten import Flattened, flatten
+from ._format import dtype_from_name
+from ._locate import PathArg, checkpoint_paths, own_parts, token_at
+from ._manifest import (
+    FileRecord,
+    Manifest,
+    SlicedRecord,
+    SliceRecord,
+    TensorRecord,
+    dump_manifest,
+    new_hasher,
+    safe_file_name,
+)
+from ._names import MANIFEST_NAME, MODEL_INDEX, PART_PREFIX, PICKLE_FILE, part_dir, temp_path
+from ._plan import FilePlan, PartPlan, RankDesc, Replicated, WritePlan, describe, plan_write, rank_state
+from ._staging import StagingPool
+from ._stream import FileWriter, PartHasher, cuda_ready_streams, run_all, settle
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """What a save did."""
+
+    path: str
+    """Absolute path of the published checkpoint directory."""
+    bytes_written: int
+    """Bytes this process wrote (headers and manifest included, alignment padding excluded)."""
+    files: tuple[str, ...]
+    """The files this process wrote, by name (those of a part are in its directory)."""
+    seconds: float
+    """Wall time of the whole save, publication included."""
+    backend: str
+    """The I/O backend that did the work (`io_uring` or `threads`)."""
+    tensor_bytes: int = 0
+    """Bytes of tensor data stored (shared storages counted once)."""
+
+    @property
+    def gib_per_second(self) -> float:
+        """`bytes_written` over `seconds`, in GiB/s."""
+        return self.bytes_written / (1 << 30) / self.seconds if self.seconds > 0 else float("inf")
+
+
+# -- extra files ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TorchSave:
+    """An object to write as ``torch.save`` would, into a file of a checkpoint.
+
+    The bytes ``torch.save`` produces go straight into the staging buffers (a file-like
+    object whose ``write`` feeds the engine): no copy of the object is made in memory, so
+    tensors in it are read while the file is written, as with the checkpoint's own
+    tensors (a `Checkpointer`'s ``staged`` waits for them too in fence mode; in snapshot
+    mode they are copied with the state's). ``torch.load(weights_only=True)`` reads the
+    file when the object holds only what it allows (state dicts do).
+    """
+
+    obj: object
+
+
+ExtraFiles = Mapping[str, "bytes | TorchSave"]
+
+
+class _TorchSaveSink:
+    """What ``torch.save`` writes to, from a worker thread: each ``write`` is handed to the
+    `FileWriter` on the event loop, and returns once the bytes are in staging buffers."""
+
+    def __init__(self, writer: FileWriter, loop: asyncio.AbstractEventLoop) -> None:
+        self._writer = writer
+        self._loop = loop
+        self._pos = 0
+        self._stopped = False
+        self.error: BaseException | None = None
+        """The first error a ``write`` raised (torch.save reports it as its own error)."""
+
+    def stop(self) -> None:
+        """Make every later ``write`` raise, so that ``torch.save`` ends early."""
+        self._stopped = True
+
+    def write(self, data: Any) -> int:
+        try:
+            if self._stopped:
+                raise OSError(errno.ECANCELED, "the save was stopped")
+            with memoryview(data) as view:
+                n = view.nbytes
+                if n:
+                    asyncio.run_coroutine_threadsafe(self._writer.write(view), self._loop).result()
+        except BaseException as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+
+def torch_save_to(obj: object, sink: Any, name: str) -> None:
+    """``torch.save(obj, sink)`` for the extra file ``name``, with typed errors: what made a
+    ``write`` fail (a full disk: the sink's ``error``) rather than torch's wrapper of it,
+    and `UnsupportedStateError` for what torch cannot serialize (unpicklable objects,
+    absurd nesting)."""
+    try:
+        torch.save(obj, sink)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        cause = getattr(sink, "error", None)
+        if cause is not None:
+            raise cause from None
+        raise UnsupportedStateError(
+            f"extra_files[{name!r}]: torch.save failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _torch_save_when_ready(obj: object, sink: _TorchSaveSink, name: str) -> None:
+    with cuda_ready_streams():  # torch.save copies CUDA tensors on this thread's streams
+        torch_save_to(obj, sink, name)
+
+
+async def write_torch_save(
+    be: IOBackend,
+    path: str,
+    dio: DirectIOInfo,
+    pool: StagingPool,
+    obj: object,
+    written: Callable[[], None] | None = None,
+) -> FileRecord:
+    """Write ``torch.save(obj)``'s bytes as a new file through the engine, checksummed."""
+    hasher = new_hasher()
+    loop = asyncio.get_running_loop()
+    async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
+        sink = _TorchSaveSink(writer, loop)
+        name = os.path.basename(path)
+        thread = asyncio.ensure_future(asyncio.to_thread(_torch_save_when_ready, obj, sink, name))
+        try:
+            await asyncio.shield(thread)
+        except asyncio.CancelledError:
+            # The thread cannot be cancelled: stop it at its next write and wait for it, so
+            # the writer is not closed (nor the pool released) under its feet.
+            sink.stop()
+            await settle([thread])
+            raise
+        if written is not None:
+            written()
+    return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())
+
+
+async def write_file(
+    be: IOBackend,
+    path: str,
+    dio: DirectIOInfo,
+    pool: StagingPool,
+    parts: Sequence[bytes | torch.Tensor],
+    written: Callable[[], None] | None = None,
+    hasher: Any = None,
+) -> FileRecord:
+    """Write ``parts`` as a new file, checksummed (by ``hasher`` when given), fsynced.
+
+    The parts must stay unchanged until ``written`` is called (the tensors of a save until
+    it is staged): their bytes are copied into staging in worker threads, batched per
+    buffer, while the file is being written."""
+    hasher = hasher if hasher is not None else new_hasher()
+    async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
+        for part in parts:
+            await writer.write(part, stable=True)
+        await writer.copied()
+        if written is not None:
+            written()  # every byte is in staging or on its way to the disk
+    return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())
+
+
+def pickle_objects(flat: Flattened) -> bytes:
+    """The bytes of the pickle file; `UnsupportedStateError` naming the path of the first
+    object that cannot be pickled."""
+    try:
+        return pickle.dumps(flat.pickled, protocol=pickle.HIGHEST_PROTOCOL)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        for obj, where in zip(flat.pickled, flat.pickled_paths, strict=True):
+            try:
+                pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as one:
+                raise UnsupportedStateError(
+                    f"{where}: cannot be pickled ({type(one).__name__}: {one})"
+                ) from one
+        raise UnsupportedStateError(
+            f"the pickled objects cannot be pickled together ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+# -- the entry point ------------------------------------------------------------------------
+
+
+def check_save_arguments(
+    metadata: Mapping[str, str] | None, extra_files: ExtraFiles | None, paths: Sequence[str], ranks: int
+) -> None:
+    """What `save` and `Checkpointer.save` refuse before anything is written."""
+    if metadata is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise TypeError("metadata must map str to str")
+    if extra_files:
+        if ranks > 1 or len(paths) > 1:
+            raise ValueError("extra_files: only for a save by one process into one directory")
+        for name in extra_files:
+            safe_file_name(name, "extra_files")
+            if name in (PICKLE_FILE, MANIFEST_NAME, MODEL_INDEX):
+                raise _reserved(name)
+
+
+def _reserved(name: str) -> ValueError:
+    return ValueError(f"extra_files: {name!r} is a name the checkpoint itself uses")
+
+
+async def flatten_off_loop(
+    obj: object, allow_pickle: bool, coord: Coordinator | None
+) -> Flattened | Exception:
+    """`flatten` in a worker thread (it walks the whole state); with several ranks a
+    failure is returned, for the others to hear of it and fail with it rather than wait."""
+    try:
+        return await asyncio.to_thread(flatten, obj, allow_pickle=allow_pickle)
+    except Exception as exc:
+        if coord is None:
+            raise
+        return exc
+
+
+@maps_os_errors("save")
+async def save(
+    obj: object,
+    path: PathArg,
+    *,
+    backend: str = "auto",
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    max_shard_bytes: int | None = None,
+    replicated: bool | Callable[[str], bool] | None = None,
+    group: Any = None,
+    extra_files: ExtraFiles | None = None,
+) -> SaveInfo:
+    """Save ``obj`` as a checkpoint directory at ``path``; durable when it returns.
+
+    ``obj`` may be an ``nn.Module``, an optimizer, LR scheduler, ``GradScaler`` or anything
+    with ``state_dict()``/``load_state_dict()``, tensors, numpy arrays, and nested dicts,
+    lists and tuples of those and of JSON scalars (``int``, ``float`` including ``nan`` and
+    ``inf``, ``bool``, ``None``, ``str``) and ``bytes``. Anything else raises
+    [`UnsupportedStateError`][aiopersist.UnsupportedStateError] naming its path, unless
+    ``allow_pickle=True`` (then it is pickled into a separate file).
+
+    Every data file is a safetensors file; a module or a flat mapping of tensors is saved
+    in the Hugging Face layout (``model.safetensors`` or shards with an index), so
+    ``from_pretrained`` reads it. An existing ``path`` raises
+    [`CheckpointExistsError`][aiopersist.CheckpointExistsError] unless ``overwrite=True``,
+    which replaces it atomically once the new checkpoint is durable.
+
+    **Several disks and ranks.** ``path`` may be a list of directories, one per disk: the
+    first is the checkpoint (it holds the manifest); the others get a part each. Under
+    ``torch.distributed`` every rank of ``group`` (the default group when ``None``) calls
+    `save` with the same ``path``; the bytes are split between the ranks, balanced, and
+    the checkpoint commits on all ranks or none. ``replicated`` says which tensors are the
+    same on every rank (written once, split between the ranks): ``True``, ``False`` or a
+    predicate on the tensor's name; by default the tensors of a
+    ``DistributedDataParallel`` module and replicated DTensors are, and dim-0 sharded
+    DTensors (FSDP2) are written by their owners as slices of one tensor. Anything else is
+    this rank's own. `SaveInfo.bytes_written` is what this rank wrote.
+
+    ``extra_files`` maps file names to ``bytes`` or a [`TorchSave`][aiopersist.TorchSave]
+    to write beside the data (a ``config.json``, an ``optimizer.pt``): published with the
+    checkpoint, checksummed, listed in its manifest. One process and one directory only.
+    """
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    paths = checkpoint_paths(path)
+    coord = coordinator(group)  # before any await: it may make the checkpoint's gloo group
+    check_save_arguments(metadata, extra_files, paths, coord.world_size if coord is not None else 1)
+    flat = await flatten_off_loop(obj, allow_pickle, coord)
+    pool = StagingPool()
+    try:
+        async with open_backend(backend) as be:
+            return await save_state(
+                be,
+                pool,
+                flat,
+                paths,
+                coord,
+                replicated=replicated,
+                metadata=metadata,
+                overwrite=overwrite,
+                max_shard_bytes=max_shard_bytes or _knobs.shard_bytes(),
+                extra_files=extra_files,
+            )
+    finally:
+        pool.close()
+
+
+# -- the executor ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Written:
+    """One data file a rank wrote: its plan, its record, and a checksum per part (version 2
+    plans only)."""
+
+    plan: FilePlan
+    record: FileRecord
+    digests: tuple[str, ...]
+
+
+async def save_state(
+    be: IOBackend,
+    pool: StagingPool,
+    flat: Flattened | Exception,
+    paths: Sequence[str],
+    coord: Coordinator | None,
+    *,
+    replicated: Replicated,
+    metadata: Mapping[str, str] | None,
+    overwrite: bool,
+    max_shard_bytes: int,
+    staged: Callable[[], None] | None = None,
+    discard: Callable[[str], None] | None = None,
+    extra_files: ExtraFiles | None = None,
+) -> SaveInfo:
+    """Save this rank's ``flat`` as its share of a checkpoint at ``paths`` (the first is the
+    checkpoint) over the ranks of ``coord``; see the module docstring. An exception for
+    ``flat`` (flattening failed here) fails the save on every rank. ``staged()`` is called
+    once every byte of this rank's tensors has left them (copied into staging buffers),
+    before the fsyncs; a replaced checkpoint is handed to ``discard`` (a worker thread
+    calls it), or deleted."""
+    start = time.perf_counter()
+    rank = coord.rank if coord is not None else 0
+    world = coord.world_size if coord is not None else 1
+    final = paths[0]
+    token = uuid.uuid4().hex[:12]
+    committed = False
+
+    async def exchange(value: Any, error: BaseException | None = None) -> list[Any]:
+        if coord is None:
+            if error is not None:
+                raise error
+            return [value]
+        return await coord.exchange(value, error)
+
+    # 1. describe, and (rank 0) claim the temporary directory.
+    desc: RankDesc | None = None
+    error: BaseException | None = None
+    try:
+        if isinstance(flat, Exception):
+            raise flat
+        if flat.pickled and (world > 1 or len(paths) > 1):
+            raise UnsupportedStateError(
+                "pickled objects cannot be saved across several ranks or directories; "
+                "save them separately or store them as tensors"
+            )
+        tensors = describe(flat, rank, world, replicated)
+        local_rank = coord.local_rank if coord is not None else 0
+        if rank == 0:
+            # To its end: a cancellation while the thread makes it would leave it behind.
+            await to_thread_to_the_end(
+                make_temp, final, overwrite, token, discard=lambda made: remove_empty_directory(made.tmp)
+            )
+        desc = RankDesc(rank, local_rank, tensors, rank_state(flat, tensors), token, flat.model_only)
+    except Exception as exc:
+        error = exc
+    try:
+        descs: list[RankDesc] = await exchange(desc, error)
+        token = descs[0].token
+        # 2. plan: pure and the same everywhere, so it fails everywhere alike.
+        plan = plan_write(descs, len(paths), max_shard_bytes)
+        assert isinstance(flat, Flattened)
+        # 3. write; a failure here is every rank's.
+        mine: list[_Written] = []
+        extras: list[FileRecord] = []
+        write_error: BaseException | None = None
+        try:
+            mine, extras = await _write_mine(be, pool, flat, plan, paths, token, rank, staged, extra_files)
+        except Exception as exc:
+            write_error = exc
+        written: list[list[_Written]] = await exchange(mine, write_error)
+        # 4. commit, on rank 0.
+        commit_error: BaseException | None = None
+        old_parts: list[str] = []
+        if rank == 0:
+            try:
+                if overwrite and len(paths) > 1:
+                    old_parts = await asyncio.to_thread(
+                        own_parts, paths, await asyncio.to_thread(token_at, final)
+                    )
+                extras += await _commit(be, pool, descs, plan, written, extras, paths, token, metadata)
+                await to_thread_to_the_end(
+                    publish_with_parts,
+                    temp_path(final, token),
+                    final,
+                    own_parts(paths, token),
+                    overwrite,
+                    discard or remove_path,
+                )
+                committed = True
+            except Exception as exc:
+                commit_error = exc
+        await exchange(None, commit_error)
+    except BaseException:
+        # Once the primary is renamed into place the checkpoint is complete: its parts stay,
+        # even if a rank then fails to hear about it.
+        if rank == 0 and not committed:
+            await to_thread_to_the_end(_abort, final, token, paths)
+        raise
+    if old_parts:
+        # The replaced checkpoint's parts go after it (its primary went at the rename).
+        if discard is None:
+            await asyncio.to_thread(_remove_all, old_parts)
+        else:
+            for old in old_parts:
+                discard(old)
+    records = [w.record for w in written[rank]] + extras
+    return SaveInfo(
+        final,
+        sum(r.nbytes for r in records),
+        tuple(r.name for r in records),
+        time.perf_counter() - start,
+        be.name,
+        sum(t.nbytes for t in descs[rank].tensors),
+    )
+
+
+async def _write_mine(
+    be: IOBackend,
+    pool: StagingPool,
+    flat: Flattened,
+    plan: WritePlan,
+    paths: Sequence[str],
+    token: str,
+    rank: int,
+    staged: Callable[[], None] | None,
+    extra_files: ExtraFiles | None,
+) -> tuple[list[_Written], list[FileRecord]]:
+    """3. Write this rank's data files and (rank 0) the pickle and extra files into the
+    primary; returns their records. ``staged`` is called once all have left the state."""
+    sources = {s.name: s.source for s in flat.stored}
+    mine = plan.of_rank(rank)
+    pickled = await asyncio.to_thread(pickle_objects, flat) if flat.pickled else None
+    additions = dict(extra_files or {}) if rank == 0 else {}
+    for name in additions:
+        if any(f.name == name for f in plan.files):
+            raise _reserved(name)
+    one_written = countdown(len(mine) + (pickled is not None) + len(additions), staged)
+    dirs: dict[int, str] = {}
+    for d in sorted({f.directory for f in mine} | ({0} if pickled is not None or additions else set())):
+        where = temp_path(paths[0], token) if d == 0 else part_dir(paths[d], token)
+        await to_thread_to_the_end(make_directories, where)  # the abort must come after
+        dirs[d] = where
+    probes = {i: await to_thread_to_the_end(probe_directory, d) for i, d in dirs.items()}
+
+    def data(part: PartPlan) -> torch.Tensor:
+        src = sources[part.source]
+        return src if part.rows is None else src[part.rows[0] : part.rows[1]]
+
+    async def one(f: FilePlan) -> _Written:
+        layout = f.layout
+        path = os.path.join(dirs[f.directory], f.name)
+        parts: PartHasher | None = None
+        hasher: Any = new_hasher()
+        if plan.spread:
+            # Every part gets a checksum of its own, so that a load can read and check
+            # just the rows it needs.
+            parts = PartHasher(new_hasher(), [e.end - e.begin for e in layout.entries], new_hasher)
+            hasher = _HeadSkip(parts, layout.data_offset)
+        rec = await write_file(
+            be,
+            path,
+            probes[f.directory],
+            pool,
+            [layout.header, *(data(p) for p in f.parts)],
+            one_written,
+            hasher=hasher,
+        )
+        record = FileRecord(f.name, rec.nbytes, rec.checksum, layout.data_offset, f.directory)
+        return _Written(f, record, tuple(parts.part_digests()) if parts is not None else ())
+
+    jobs: list[Any] = [one(f) for f in mine]
+    if pickled is not None:
+        jobs.append(
+            write_file(be, os.path.join(dirs[0], PICKLE_FILE), probes[0], pool, [pickled], one_written)
+        )
+    for name, content in additions.items():
+        target = os.path.join(dirs[0], name)
+        if isinstance(content, TorchSave):
+            jobs.append(write_torch_save(be, target, probes[0], pool, content.obj, one_written))
+        else:
+            jobs.append(write_file(be, target, probes[0], pool, [content], one_written))
+    done = await run_all(jobs)
+    return done[: len(mine)], done[len(mine) :]
+
+
+async def _commit(
+    be: IOBackend,
+    pool: StagingPool,
+    descs: Sequence[RankDesc],
+    plan: WritePlan,
+    written: Sequence[Sequence[_Written]],
+    extras: Sequence[FileRecord],
+    paths: Sequence[str],
+    token: str,
+    metadata: Mapping[str, str] | None,
+) -> list[FileRecord]:
+    """4. The manifest (and the model index) from every rank's records, into the primary."""
+    tmp = temp_path(paths[0], token)
+    files: dict[str, FileRecord] = {}
+    whole: dict[str, TensorRecord] = {}
+    slices: dict[str, list[SliceRecord]] = {}
+    for per_rank in written:
+        for w in per_rank:
+            files[w.plan.name] = w.record
+            base = w.record.data_offset or 0
+            digests: Sequence[str | None] = w.digests or [None] * len(w.plan.parts)
+            for part, entry, digest in zip(w.plan.parts, w.plan.layout.entries, digests, strict=True):
+                begin, end = base + entry.begin, base + entry.end
+                if part.target_rows is None:
+                    whole[part.target] = TensorRecord(
+                        part.target, w.plan.name, begin, end, entry.dtype, entry.shape, digest
+                    )
+                else:
+                    slices.setdefault(part.target, []).append(
+                        SliceRecord(w.plan.name, begin, end, part.target_rows[0], part.target_rows[1], digest)
+                    )
+    pickle_file = None
+    for rec in extras:
+        files[rec.name] = rec
+        if rec.name == PICKLE_FILE:
+            pickle_file = PICKLE_FILE
+    sliced = {
+        name: SlicedRecord(
+            name,
+            dtype_from_name(plan.sliced[name][0]),
+            plan.sliced[name][1],
+            tuple(sorted(s, key=lambda x: x.row_start)),
+        )
+        for name, s in slices.items()
+    }
+    state0 = descs[0].state
+    manifest = Manifest(
+        files=files,
+        tensors=whole,
+        skeleton=state0.skeleton,
+        aliases=state0.aliases,
+        views=state0.views,
+        pickle_file=pickle_file,
+        metadata=dict(metadata or {}),
+        layout=plan.layout,
+        world_size=len(descs),
+        version=2 if plan.spread else 1,
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        sliced=sliced,
+        directories=_directories(paths, token),
+        ranks={d.rank: d.state for d in descs[1:] if d.state != state0},
+    )
+    out = [(MANIFEST_NAME, dump_manifest(manifest))]
+    if plan.needs_index:
+        weight_map = {t.name: t.file for t in whole.values()}
+        total = sum(t.nbytes for t in whole.values())
+        out.append(
+            (
+                MODEL_INDEX,
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode(),
+            )
+        )
+    dio = await to_thread_to_the_end(probe_directory, tmp)
+    return list(await run_all(write_file(be, os.path.join(tmp, n), dio, pool, [b]) for n, b in out))
+
+
+def _directories(paths: Sequence[str], token: str) -> tuple[str, ...]:
+    """The manifest's directories: the primary, then the parts, relative to the primary."""
+    return (".", *(os.path.relpath(p, paths[0]) for p in own_parts(paths, token)))
+
+
+def _abort(final: str, token: str, paths: Sequence[str]) -> None:
+    """Remove what a failed save wrote, unless its rename already published it (a failure
+    after the rename, e.g. of the parent's fsync, leaves a visible checkpoint whose parts
+    must stay)."""
+    parts = own_parts(paths, token)
+    published = bool(parts) and token_at(final) == token
+    _remove_all([temp_path(final, token)] + ([] if published else parts))
+
+
+def countdown(count: int, staged: Callable[[], None] | None) -> Callable[[], None]:
+    """A callback to call once per file written: the ``count``-th call calls ``staged``
+    (at once when ``count`` is 0)."""
+    remaining = count
+
+    def one_written() -> None:
+        nonlocal remaining
+        remaining -= 1
+        if remaining == 0 and staged is not None:
+            staged()
+
+    if remaining == 0 and staged is not None:
+        staged()
+    return one_written
+
+
+class _HeadSkip:
+    """Feeds the whole file to the file's checksum, and the bytes after the header to the
+    per-part hasher."""
+
+    def __init__(self, parts: PartHasher, header: int) -> None:
+        self._parts = parts
+        self._skip = header
+
+    def update(self, data: Any, /) -> None:
+        self._parts.whole.update(data)
+        with memoryview(data) as raw, raw.cast("B") as view:
+            skip = min(self._skip, len(view))
+            self._skip -= skip
+            if skip < len(view):
+                self._parts.update_parts(view[skip:])
+
+    def hexdigest(self) -> str:
+        return self._parts.hexdigest()
+
+
+def _remove_all(paths: Sequence[str]) -> None:
+    for p in paths:
+        with contextlib.suppress(OSError):
+            remove_path(p)
+        parent = os.path.dirname(p)
+        if os.path.basename(p).startswith(PART_PREFIX):
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)  # the disk's directory for this checkpoint, if now empty
