@@ -21,7 +21,7 @@ import sys
 import torch
 import transformers
 
-from aiopersist._demo_trainer import Tokens
+from aiopersist._bench.demo_trainer import Tokens
 from aiopersist.integrations.transformers import AioPersistCallback
 
 

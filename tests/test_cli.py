@@ -68,7 +68,7 @@ def test_thread_cpu_keeps_the_last_reading_of_a_thread_that_ended() -> None:
     import threading
     import time
 
-    from aiopersist._bench_ckpt import _ThreadCpu
+    from aiopersist._bench.ckpt import _ThreadCpu
 
     burnt = threading.Event()
     leave = threading.Event()
@@ -137,7 +137,7 @@ def test_bench_train_calibrates_the_batch(tmp_path: Path) -> None:
 def test_calibration_converges_and_bounds_its_steps() -> None:
     """The secant search on a step that costs a fixed part plus a part per sample, and on
     noise that makes the slope useless."""
-    from aiopersist._bench_train import next_batch
+    from aiopersist._bench.train import next_batch
 
     def step(b: int) -> float:
         return 0.3 + 0.004 * b + 1e-6 * b * b  # not quite linear, as on a real CPU

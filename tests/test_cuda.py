@@ -216,7 +216,7 @@ HF_BACKENDS = [
 
 def _gpu_trainer(out: Path, callbacks: list[Any], precision: str, max_steps: int = 6) -> Any:
     transformers = pytest.importorskip("transformers")
-    from aiopersist._demo_trainer import Tokens
+    from aiopersist._bench.demo_trainer import Tokens
     from tests._hf_ddp_worker import tiny_gpt2
 
     args = transformers.TrainingArguments(

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from aiopersist._bench_gpu import format_gpu, run_gpu, write_outputs
+from aiopersist._bench.gpu import format_gpu, run_gpu, write_outputs
 from aiopersist._cli import main
 
 REPO = Path(__file__).resolve().parent.parent

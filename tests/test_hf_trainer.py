@@ -20,7 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import aiopersist  # noqa: E402
-from aiopersist._demo_trainer import Tokens  # noqa: E402
+from aiopersist._bench.demo_trainer import Tokens  # noqa: E402
 from aiopersist._manager import check_step  # noqa: E402
 from aiopersist.integrations.transformers import (  # noqa: E402
     AioPersistCallback,

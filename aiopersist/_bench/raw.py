@@ -52,12 +52,20 @@ from typing import Any, TextIO
 
 import torch
 
-from . import _knobs
-from ._backends import IOBackend, create_backend, resolve_backend_name
-from ._direct import AlignedBuffer, DirectIOInfo, probe_directory
-from ._exceptions import BackendUnavailableError
-from ._staging import StagingPool
-from ._stream import FileWriter, read_segments
+from aiopersist import (
+    BackendUnavailableError,
+    DirectIOInfo,
+    FileWriter,
+    IOBackend,
+    StagingPool,
+    create_backend,
+    probe_directory,
+    read_segments,
+)
+
+from .. import _knobs
+from .._backends import resolve_backend_name
+from .._direct import AlignedBuffer
 
 METHODS: tuple[str, ...] = ("fio", "io_uring", "threads", "buffered")
 """Every method, in the default order."""

@@ -35,8 +35,8 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import transformers
 
-from ._names import TMP_MARKER
-from .integrations.transformers import AioPersistCallback
+from .._names import TMP_MARKER
+from ..integrations.transformers import AioPersistCallback
 
 _GiB = 1 << 30
 
@@ -225,7 +225,7 @@ def run_demo(directory: str, *, steps: int = 30, every: int = 5, out: TextIO = s
     # Killed mid-save, then resumed by a stock Trainer.
     run_dir = os.path.join(directory, "killed")
     child = subprocess.Popen(
-        [sys.executable, "-m", "aiopersist._demo_trainer", run_dir, str(steps), str(every)],
+        [sys.executable, "-m", "aiopersist._bench.demo_trainer", run_dir, str(steps), str(every)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

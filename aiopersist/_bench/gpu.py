@@ -50,7 +50,7 @@ from typing import Any, TextIO
 import torch
 import torch.nn.functional as F
 
-from ._blocking import BlockingCheckpointer, BlockingSaveHandle, load_sync
+from aiopersist import BlockingCheckpointer, BlockingSaveHandle, load_sync
 
 # aiopersist's modes first: when the time budget cuts a round short, they have run.
 MODES: tuple[str, ...] = ("none", "fence", "snapshot", "dcp", "torch.save")
@@ -416,7 +416,7 @@ def _fio_gbps(directory: str, nbytes: int) -> float | None:
     fio = shutil.which("fio")
     if fio is None:
         return None
-    from ._bench import _fio_run
+    from .raw import _fio_run
 
     chunk = 4 << 20
     size = max(chunk, min(nbytes, 8 << 30) // chunk * chunk)

@@ -14,7 +14,7 @@ Methods (``SAVE_METHODS`` / ``LOAD_METHODS``):
 
 - ``fio``: the disk's limit. ``fio --ioengine=io_uring --direct=1`` writes (or reads) one
   file of the same byte count, with the engine's request size and depth, its buffers on
-  hugetlb pages (see ``aiopersist._bench``); fio's own bandwidth figure is taken.
+  hugetlb pages (see ``aiopersist._bench.raw``); fio's own bandwidth figure is taken.
 - ``torch.save`` / ``torch.load``: ``torch.save`` into an open file, then flush and
   ``os.fsync``; ``torch.load(weights_only=True, mmap=False)``.
 - ``safetensors``: ``safetensors.torch.save_file`` then an ``os.fsync`` of the file;
@@ -87,14 +87,15 @@ from typing import Any, Literal, TextIO
 
 import torch
 
-from . import _knobs
-from ._backends import resolve_backend_name
-from ._bench import _CacheDropper, _fio_run, _GiB, _HugePages, _MiB, _rotated, _size_text, _thp_mode
-from ._commit import fsync_directory
-from ._direct import PAGE_SIZE, probe_directory
-from ._exceptions import BackendUnavailableError
-from ._load import load as _aiopersist_load
-from ._save import save as _aiopersist_save
+from aiopersist import BackendUnavailableError, probe_directory
+from aiopersist import load as _aiopersist_load
+from aiopersist import save as _aiopersist_save
+
+from .. import _knobs
+from .._backends import resolve_backend_name
+from .._commit import fsync_directory
+from .._direct import PAGE_SIZE
+from .raw import _CacheDropper, _fio_run, _GiB, _HugePages, _MiB, _rotated, _size_text, _thp_mode
 
 Kind = Literal["save", "load"]
 

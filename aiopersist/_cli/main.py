@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ._format import FileLayout
-    from ._manifest import Manifest
+    from .._format import FileLayout
+    from .._manifest import Manifest
 
-from ._backends import describe_platform, probe_io_uring
-from ._direct import probe_directory
-from ._exceptions import (
+from .._backends import describe_platform, probe_io_uring
+from .._direct import probe_directory
+from .._exceptions import (
     AiopersistError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -59,7 +59,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo_trainer(args: argparse.Namespace) -> int:
-    from ._demo_trainer import run_demo
+    from .._bench.demo_trainer import run_demo
 
     if args.steps < 2 * args.every:
         print("aiopersist demo-trainer: --steps must be at least twice --every", file=sys.stderr)
@@ -118,8 +118,8 @@ def _demo_once(name: str, state: dict[str, torch.Tensor], directory: str) -> tup
     """One save and one load by ``name``: seconds for each, and whether the state came back."""
     import torch
 
-    from ._load import load
-    from ._save import save
+    from .._load import load
+    from .._save import save
 
     if name == "torch.save":
         target = os.path.join(directory, "torch-save.pt")
@@ -160,13 +160,13 @@ def _drop_caches() -> None:
 
 
 def _bench_ckpt(args: argparse.Namespace) -> int:
-    from ._bench_ckpt import ckpt_report_json, format_ckpt, plot_ckpt, run_ckpt
+    from .._bench.ckpt import ckpt_report_json, format_ckpt, plot_ckpt, run_ckpt
 
     directory = os.path.abspath(args.dir)
     os.makedirs(directory, exist_ok=True)
     ranks, dirs = getattr(args, "ranks", 1), getattr(args, "dirs", 1)
     if ranks != 1 or dirs != 1:
-        from ._bench_spread import format_spread, run_spread
+        from .._bench.spread import format_spread, run_spread
 
         if ranks < 1 or dirs < 1:
             print("aiopersist bench save: --ranks and --dirs must be at least 1", file=sys.stderr)
@@ -212,7 +212,7 @@ def _bench_modes(text: str, known: Sequence[str], bench: str) -> tuple[str, ...]
 def _bench_train(args: argparse.Namespace) -> int:
     import torch
 
-    from ._bench_train import MODES, format_train, run_train
+    from .._bench.train import MODES, format_train, run_train
 
     modes = _bench_modes(args.modes, MODES, "train")
     if modes is None:
@@ -235,7 +235,7 @@ def _bench_train(args: argparse.Namespace) -> int:
 
 
 def _bench_gpu(args: argparse.Namespace) -> int:
-    from ._bench_gpu import CADENCES, MODES, format_gpu, run_gpu, write_outputs
+    from .._bench.gpu import CADENCES, MODES, format_gpu, run_gpu, write_outputs
 
     modes = _bench_modes(args.modes, MODES, "gpu")
     if modes is None:
@@ -275,7 +275,7 @@ def _bench_gpu(args: argparse.Namespace) -> int:
 
 
 def _bench_raw(args: argparse.Namespace) -> int:
-    from ._bench import format_raw, run_raw
+    from .._bench.raw import format_raw, run_raw
 
     directory = os.path.abspath(args.dir)
     os.makedirs(directory, exist_ok=True)
@@ -304,8 +304,8 @@ def describe(path: str | os.PathLike[str], *, backend: str = "auto") -> dict[str
     is unusable; a data file whose size differs from the manifest's is reported in its
     ``problem`` field instead (``aiopersist verify`` checks the data).
     """
-    from ._locate import locate, part_places, read_manifest
-    from ._names import MANIFEST_NAME
+    from .._locate import locate, part_places, read_manifest
+    from .._names import MANIFEST_NAME
 
     target = os.path.abspath(os.fspath(path))
     if os.path.isdir(target) and os.path.lexists(os.path.join(target, MANIFEST_NAME)):
@@ -336,8 +336,8 @@ def describe(path: str | os.PathLike[str], *, backend: str = "auto") -> dict[str
 
 
 async def _read_headers(files: Sequence[str], sizes: Mapping[str, int], backend: str) -> list[FileLayout]:
-    from ._backends import open_backend
-    from ._load import _read_header
+    from .._backends import open_backend
+    from .._load import _read_header
 
     async with open_backend(backend) as be:
         return [await _read_header(be, f, sizes[f]) for f in files]
@@ -354,7 +354,7 @@ def _row(
     view_of: str | None = None,
     numpy: bool = False,
 ) -> dict[str, Any]:
-    from ._format import dtype_name
+    from .._format import dtype_name
 
     return {
         "name": name,
@@ -384,8 +384,8 @@ def _document(target: str, kind: str, **fields: Any) -> dict[str, Any]:
 
 
 def _describe_manifest(target: str, m: Manifest, places: Sequence[str]) -> dict[str, Any]:
-    from ._locate import file_problem
-    from ._skeleton import refs
+    from .._locate import file_problem
+    from .._skeleton import refs
 
     files = []
     for rec in m.files.values():
@@ -597,7 +597,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ._load import verify
+    from .._load import verify
 
     try:
         report = asyncio.run(verify(args.path, backend=args.backend))
@@ -619,7 +619,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from ._manager import scan
+    from .._manager import scan
 
     found = scan([os.path.abspath(d) for d in args.dir], "local")
     if args.mirror:
@@ -657,7 +657,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from ._manager import DirectoryLock
+    from .._manager import DirectoryLock
 
     directories = [os.path.abspath(d) for d in args.dir]
     if not (args.apply and os.path.isdir(directories[0])):
@@ -678,9 +678,9 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
-    from ._locate import read_manifest
-    from ._manager import clean_leftovers, delete_step, scan, step_paths, to_delete
-    from ._names import OLD_MARKER, TMP_MARKER, TRASH_MARKER, step_name
+    from .._locate import read_manifest
+    from .._manager import clean_leftovers, delete_step, scan, step_paths, to_delete
+    from .._names import OLD_MARKER, TMP_MARKER, TRASH_MARKER, step_name
 
     directory = directories[0]
     complete = [s for s in scan(directories) if s.complete]
@@ -790,7 +790,7 @@ def _fsync_path(path: str, *, directory: bool = False) -> None:
 def _publish(out: str, write: Callable[[str], None]) -> None:
     """``write(tmp)`` to a temporary file beside ``out``, fsync it, rename it to ``out``
     and fsync the directory: ``out`` is either the old file or the complete new one."""
-    from ._names import TMP_MARKER, beside
+    from .._names import TMP_MARKER, beside
 
     directory = os.path.dirname(out)
     tmp = beside(out, TMP_MARKER, str(os.getpid()))
@@ -806,7 +806,7 @@ def _publish(out: str, write: Callable[[str], None]) -> None:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from ._load import load
+    from .._load import load
 
     out = os.path.abspath(args.out)
     if os.path.lexists(out) and not args.force:

@@ -39,7 +39,7 @@ from typing import TextIO
 
 import torch
 
-from ._blocking import BlockingCheckpointer, BlockingSaveHandle
+from aiopersist import BlockingCheckpointer, BlockingSaveHandle
 
 MODES: tuple[str, ...] = ("none", "torch.save", "fio", "fence", "snapshot")
 

@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, base: str, size: int, dirs: int, r
 
     import aiopersist
 
-    from ._bench_ckpt import _state_bytes, transformer_state
+    from .ckpt import _state_bytes, transformer_state
 
     dist.init_process_group(
         "gloo",
@@ -152,7 +152,7 @@ def run_spread(
                 [
                     sys.executable,
                     "-m",
-                    "aiopersist._bench_spread",
+                    "aiopersist._bench.spread",
                     *(str(v) for v in (r, ranks, port, work, size_bytes, dirs, rounds)),
                 ],
                 stdout=subprocess.PIPE,
