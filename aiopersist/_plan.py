@@ -21,6 +21,7 @@ that all ranks get the same one, or the same error):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from ._flatten import Flattened, ViewSpec
 from ._format import FileLayout, dtype_from_name, dtype_name, layout_file
 from ._manifest import RankState
 from ._partition import Entry, Piece, partition, writers_for
+from ._partition import Plan as Partitioned
 from ._skeleton import rename_refs
 
 Replicated = bool | Callable[[str], bool] | None
@@ -56,7 +58,7 @@ class TensorDesc:
     row_start: int = 0
     """For a shard: its first row in the whole tensor."""
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
 
@@ -246,14 +248,18 @@ def _plan_write(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int) 
             entries.append(Entry(key, t.nbytes, max(rows, 1) if t.nbytes else 1, owner))
     _check_shards(shards)
     writers = writers_for([d.local_rank for d in ranks], num_dirs)
-    assignment = partition(entries, writers)
     alone = len(writers) == 1
+    if alone:  # one writer writes everything, whole: what partition would say, in O(n)
+        pieces = tuple(Piece(e.name, 0, e.rows, e.nbytes, whole=True) for e in entries)
+        assignment = Partitioned(writers, (pieces,))
+    else:
+        assignment = partition(entries, writers)
     whole: dict[str, tuple[str, tuple[int, ...]]] = {}
     sliced: dict[str, tuple[str, tuple[int, ...]]] = {}
     # Per writer: its files, each a list of (part, header spec).
     groups_of: list[tuple[int, int, list[list[tuple[PartPlan, tuple[str, Any, tuple[int, ...]]]]]]] = []
     for writer, pieces in zip(assignment.writers, assignment.pieces, strict=True):
-        parts: list[tuple[tuple[int, int, int, int], PartPlan, tuple[str, Any, tuple[int, ...]]]] = []
+        parts: list[tuple[tuple[int, int, int, int], PartPlan, tuple[str, Any, tuple[int, ...]], int]] = []
         for p in pieces:
             _, t, order = owner_of[p.name]
             part, shape = _part(p, t)
@@ -264,13 +270,17 @@ def _plan_write(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int) 
             # Largest alignment first, then state order: every tensor starts at a multiple
             # of its element size, so loads can place it for direct reads.
             parts.append(
-                ((-t.align, *order, p.row_start), part, (part.header, dtype_from_name(t.dtype), shape))
+                (
+                    (-t.align, *order, p.row_start),
+                    part,
+                    (part.header, dtype_from_name(t.dtype), shape),
+                    p.nbytes,
+                )
             )
         parts.sort(key=lambda x: x[0])
         groups: list[list[tuple[PartPlan, tuple[str, Any, tuple[int, ...]]]]] = [[]]
         size = 0
-        for _, part, spec in parts:
-            nbytes = math.prod(spec[2]) * int(spec[1].itemsize)
+        for _, part, spec, nbytes in parts:
             if groups[-1] and size + nbytes > max_shard_bytes:
                 groups.append([])
                 size = 0

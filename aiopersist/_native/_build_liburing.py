@@ -14,7 +14,6 @@ import subprocess
 from cffi import FFI
 
 CDEF = r"""
-struct iovec { void *iov_base; size_t iov_len; };
 
 struct io_uring { ...; };
 struct io_uring_sqe { ...; };
@@ -23,18 +22,12 @@ struct io_uring_cqe { uint64_t user_data; int32_t res; uint32_t flags; ...; };
 int io_uring_queue_init(unsigned entries, struct io_uring *ring, unsigned flags);
 void io_uring_queue_exit(struct io_uring *ring);
 struct io_uring_sqe *io_uring_get_sqe(struct io_uring *ring);
-unsigned io_uring_sq_space_left(const struct io_uring *ring);
 int io_uring_submit(struct io_uring *ring);
 
 void io_uring_sqe_set_data64(struct io_uring_sqe *sqe, uint64_t data);
-void io_uring_sqe_set_flags(struct io_uring_sqe *sqe, unsigned flags);
 void io_uring_prep_nop(struct io_uring_sqe *sqe);
 void io_uring_prep_write(struct io_uring_sqe *sqe, int fd, const void *buf, unsigned nbytes, uint64_t offset);
 void io_uring_prep_read(struct io_uring_sqe *sqe, int fd, void *buf, unsigned nbytes, uint64_t offset);
-void io_uring_prep_writev(struct io_uring_sqe *sqe, int fd, const struct iovec *iovecs, unsigned nr_vecs, uint64_t offset);
-void io_uring_prep_readv(struct io_uring_sqe *sqe, int fd, const struct iovec *iovecs, unsigned nr_vecs, uint64_t offset);
-void io_uring_prep_write_fixed(struct io_uring_sqe *sqe, int fd, const void *buf, unsigned nbytes, uint64_t offset, int buf_index);
-void io_uring_prep_read_fixed(struct io_uring_sqe *sqe, int fd, void *buf, unsigned nbytes, uint64_t offset, int buf_index);
 void io_uring_prep_fsync(struct io_uring_sqe *sqe, int fd, unsigned fsync_flags);
 void io_uring_prep_openat(struct io_uring_sqe *sqe, int dfd, const char *path, int flags, unsigned int mode);
 void io_uring_prep_close(struct io_uring_sqe *sqe, int fd);
@@ -47,8 +40,6 @@ void io_uring_cq_advance(struct io_uring *ring, unsigned nr);
 
 int io_uring_register_eventfd(struct io_uring *ring, int fd);
 int io_uring_unregister_eventfd(struct io_uring *ring);
-int io_uring_register_buffers(struct io_uring *ring, const struct iovec *iovecs, unsigned nr_iovecs);
-int io_uring_unregister_buffers(struct io_uring *ring);
 
 #define IORING_FSYNC_DATASYNC ...
 #define IOSQE_ASYNC ...

@@ -11,7 +11,6 @@ Import this module only when `aiopersist._native.has_liburing` is true.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,16 +72,8 @@ def io_uring_get_sqe(ring: Ring) -> Any | None:
     return None if sqe == ffi.NULL else sqe
 
 
-def io_uring_sq_space_left(ring: Ring) -> int:
-    return int(lib.io_uring_sq_space_left(ring.ring))
-
-
 def io_uring_sqe_set_data64(sqe: Any, data: int) -> None:
     lib.io_uring_sqe_set_data64(sqe, data)
-
-
-def io_uring_sqe_set_flags(sqe: Any, flags: int) -> None:
-    lib.io_uring_sqe_set_flags(sqe, flags)
 
 
 def io_uring_prep_nop(sqe: Any) -> None:
@@ -98,40 +89,6 @@ def io_uring_prep_write(sqe: Any, fd: int, buf: Buffer, offset: int) -> Any:
 def io_uring_prep_read(sqe: Any, fd: int, buf: Buffer, offset: int) -> Any:
     ptr = ffi.from_buffer(buf, require_writable=True)
     lib.io_uring_prep_read(sqe, fd, ptr, len(ptr), offset)
-    return ptr
-
-
-def _iovecs(bufs: Sequence[Buffer], writable: bool) -> tuple[Any, list[Any]]:
-    ptrs = [ffi.from_buffer(b, require_writable=writable) for b in bufs]
-    iov = ffi.new("struct iovec[]", len(ptrs))
-    for i, p in enumerate(ptrs):
-        iov[i].iov_base = p
-        iov[i].iov_len = len(p)
-    return iov, ptrs
-
-
-def io_uring_prep_writev(sqe: Any, fd: int, bufs: Sequence[Buffer], offset: int) -> Any:
-    iov, ptrs = _iovecs(bufs, writable=False)
-    lib.io_uring_prep_writev(sqe, fd, iov, len(ptrs), offset)
-    return (iov, ptrs)
-
-
-def io_uring_prep_readv(sqe: Any, fd: int, bufs: Sequence[Buffer], offset: int) -> Any:
-    iov, ptrs = _iovecs(bufs, writable=True)
-    lib.io_uring_prep_readv(sqe, fd, iov, len(ptrs), offset)
-    return (iov, ptrs)
-
-
-def io_uring_prep_write_fixed(sqe: Any, fd: int, buf: Buffer, offset: int, buf_index: int) -> Any:
-    """Write from (part of) a buffer registered with `io_uring_register_buffers`."""
-    ptr = ffi.from_buffer(buf)
-    lib.io_uring_prep_write_fixed(sqe, fd, ptr, len(ptr), offset, buf_index)
-    return ptr
-
-
-def io_uring_prep_read_fixed(sqe: Any, fd: int, buf: Buffer, offset: int, buf_index: int) -> Any:
-    ptr = ffi.from_buffer(buf, require_writable=True)
-    lib.io_uring_prep_read_fixed(sqe, fd, ptr, len(ptr), offset, buf_index)
     return ptr
 
 
@@ -194,17 +151,6 @@ def io_uring_register_eventfd(ring: Ring, fd: int) -> None:
 
 def io_uring_unregister_eventfd(ring: Ring) -> None:
     _check(lib.io_uring_unregister_eventfd(ring.ring), "io_uring_unregister_eventfd")
-
-
-def io_uring_register_buffers(ring: Ring, bufs: Sequence[Buffer]) -> Any:
-    """Register fixed buffers (pinned by the kernel); returns the keepalive for them."""
-    iov, ptrs = _iovecs(bufs, writable=True)
-    _check(lib.io_uring_register_buffers(ring.ring, iov, len(ptrs)), "io_uring_register_buffers")
-    return (iov, ptrs)
-
-
-def io_uring_unregister_buffers(ring: Ring) -> None:
-    _check(lib.io_uring_unregister_buffers(ring.ring), "io_uring_unregister_buffers")
 
 
 def statx_dioalign(path: str) -> tuple[int, int] | None:
