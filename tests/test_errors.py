@@ -122,7 +122,7 @@ async def _manager(tmp: Path, backend: str) -> None:
 
 
 async def _inspect_and_ls(tmp: Path, backend: str) -> None:
-    from aiopersist._cli import describe
+    from aiopersist._cli.main import describe
     from aiopersist._manager import scan
 
     describe(tmp / "c")
