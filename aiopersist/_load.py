@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -99,11 +100,11 @@ def _update(hasher: Any, parts: Sequence[torch.Tensor]) -> None:
 
 
 def _digests(parts: Sequence[torch.Tensor]) -> list[str]:
+    """One checksum per part."""
     out = []
     for part in parts:
         hasher = new_hasher()
-        if part.numel():
-            hasher.update(cast(Any, part.numpy()))
+        _update(hasher, [part])
         out.append(str(hasher.hexdigest()))
     return out
 
@@ -123,9 +124,7 @@ class _Destinations:
         wanted: its wanted rows are copied out by `finish`)."""
         dest = self.tensors[span.target]
         if span.rows is not None:
-            rows = (
-                dest.reshape(dest.shape[0] if dest.dim() else 1, -1) if dest.numel() else dest.reshape(0, 0)
-            )
+            rows = dest.reshape(dest.shape[0], math.prod(dest.shape[1:]))  # sliced: at least 1-D
             dest = rows[span.rows[0] : span.rows[1]]
             if span.keep is not None:
                 scratch = torch.empty((span.slice_rows, rows.shape[1]), dtype=rows.dtype)
@@ -425,7 +424,11 @@ async def load(
     try:
         async with open_backend(backend) as be:
             if loc.manifest is not None:
-                wants = _wants(into) if into is not None and loc.manifest.version >= 2 else {}
+                wants = (
+                    await asyncio.to_thread(_wants, into)
+                    if into is not None and loc.manifest.version >= 2
+                    else {}
+                )
                 state = await _load_manifest(
                     be, loc, pool, prefault, _rank_to_load(loc.manifest, rank), allow_pickle, wants
                 )
@@ -437,11 +440,11 @@ async def load(
         prefault.close()
         pool.close()
     if into is not None:
-        load_into(into, state, strict=strict)
+        await asyncio.to_thread(load_into, into, state, strict=strict)  # copies into live tensors
         return into
     device = torch.device(map_location)
     if device.type != "cpu":
-        state = _to_device(state, device, {})
+        state = await asyncio.to_thread(_to_device, state, device, {})
     return state
 
 

@@ -59,11 +59,3 @@ def part_dir(directory: str, token: str) -> str:
 
 def step_name(step: int) -> str:
     return f"step-{step}"
-
-
-def leftover_of(name: str) -> str | None:
-    """For a leftover's name (``.NAME<marker>TOKEN``): the ``NAME`` it was for; else ``None``."""
-    for marker in LEFTOVER_MARKERS:
-        if name.startswith(".") and marker in name:
-            return name[1:].split(marker)[0]
-    return None

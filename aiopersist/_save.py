@@ -446,9 +446,8 @@ async def save_state(
         if rank == 0:
             try:
                 if overwrite and len(paths) > 1:
-                    old_parts = await asyncio.to_thread(
-                        own_parts, paths, await asyncio.to_thread(token_at, final)
-                    )
+                    # Found by the replaced checkpoint's token (a manifest read): pure after that.
+                    old_parts = own_parts(paths, await asyncio.to_thread(token_at, final))
                 extras += await _commit(be, pool, descs, plan, written, extras, paths, token, metadata)
                 await to_thread_to_the_end(
                     publish_with_parts,
