@@ -26,6 +26,7 @@ import torch
 from ._exceptions import CheckpointCorruptError, UnsupportedStateError
 from ._format import dtype_from_name, supported_dtype
 from ._skeleton import MAX_CONTAINER_DEPTH
+from ._workers import gc_paused
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ class _Walker:
             raise UnsupportedStateError(f"{where}: nested tensors are not supported")
         if t.layout != torch.strided:
             raise UnsupportedStateError(f"{where}: {t.layout} tensors are not supported")
-        if t.device.type not in ("cpu", "cuda"):
+        if not (t.is_cpu or t.is_cuda):
             raise UnsupportedStateError(f"{where}: tensors on {t.device.type} are not supported")
         if not supported_dtype(t.dtype):
             raise UnsupportedStateError(f"{where}: dtype {t.dtype} has no safetensors equivalent")
@@ -289,12 +290,12 @@ def _dedupe(walker: _Walker, flat: Flattened, *, materialize_views: bool) -> Non
     for name, t in walker.tensors:
         storage = t.untyped_storage()
         # Empty tensors share no bytes with anything, whatever their data pointer says.
-        key = ("empty", name) if t.numel() == 0 or storage.nbytes() == 0 else (t.device, storage.data_ptr())
+        empty = t.numel() == 0 or storage.nbytes() == 0
+        key = ("empty", name) if empty else (t.get_device(), storage.data_ptr())
         groups.setdefault(key, []).append((name, t))
     for members in groups.values():
         if len(members) == 1:  # the common case: a storage of its own
-            name, t = members[0]
-            flat.stored.append(StoredTensor(name, t))
+            flat.stored.append(StoredTensor(*members[0]))
             continue
         distinct = {_view_key(t) for _, t in members}
         if len(distinct) == 1 or materialize_views:
@@ -329,6 +330,11 @@ def _dedupe(walker: _Walker, flat: Flattened, *, materialize_views: bool) -> Non
 def flatten(obj: object, *, allow_pickle: bool = False) -> Flattened:
     """Walk ``obj``; see the module docstring. Raises `UnsupportedStateError` naming the
     path (``state['optim']['param_groups'][0]['betas']``) of anything it cannot store."""
+    with gc_paused():
+        return _flatten(obj, allow_pickle)
+
+
+def _flatten(obj: object, allow_pickle: bool) -> Flattened:
     walker = _Walker(allow_pickle)
     skeleton = walker.encode(obj, [], "state")
     model_only = isinstance(obj, torch.nn.Module) or (

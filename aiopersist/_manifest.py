@@ -9,12 +9,10 @@ is detected, and every file name in it is checked to stay inside the checkpoint.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +23,7 @@ from ._flatten import ViewSpec, dtype_of
 from ._format import DTYPES, dtype_name
 from ._names import PART_RE
 from ._skeleton import check_skeleton
+from ._workers import gc_paused
 
 FORMAT = "aiopersist"
 VERSION = 2
@@ -109,7 +108,7 @@ class RankState:
 @dataclass(frozen=True)
 class Manifest:
     files: dict[str, FileRecord]
-    tensors: dict[str, TensorRecord]
+    tensors: Mapping[str, TensorRecord]
     skeleton: Any
     aliases: dict[str, str] = field(default_factory=dict)
     views: dict[str, ViewSpec] = field(default_factory=dict)
@@ -143,15 +142,16 @@ class Manifest:
             raise ValueError(f"rank {rank} is outside the {self.world_size} ranks that saved this checkpoint")
         return self.ranks.get(rank) or RankState(self.skeleton, self.aliases, self.views)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, tensors: bool = True) -> dict[str, Any]:
+        """The manifest as a JSON document (without its checksum); ``tensors=False``
+        leaves the tensor table out (`dump_manifest` encodes it on its own)."""
         doc = self._v1_json()
+        if tensors:
+            doc["tensors"] = _tensor_table(self.tensors, self.version)
         if self.version >= 2:
             doc["directories"] = list(self.directories)
             for name, f in self.files.items():
                 doc["files"][name]["dir"] = f.directory
-            for name, t in self.tensors.items():
-                if t.checksum is not None:
-                    doc["tensors"][name]["checksum"] = t.checksum
             doc["sliced"] = {
                 t.name: {
                     "dtype": dtype_name(t.dtype),
@@ -190,21 +190,59 @@ class Manifest:
                 f.name: {"bytes": f.nbytes, "checksum": f.checksum, "data_offset": f.data_offset}
                 for f in self.files.values()
             },
-            "tensors": {
-                t.name: {
-                    "file": t.file,
-                    "offsets": [t.begin, t.end],
-                    "dtype": dtype_name(t.dtype),
-                    "shape": list(t.shape),
-                }
-                for t in self.tensors.values()
-            },
+            "tensors": None,  # the table's place in the document's key order
             "aliases": dict(self.aliases),
             "views": _views_json(self.views),
             "pickle": self.pickle_file,
             "skeleton": self.skeleton,
             "metadata": dict(self.metadata),
         }
+
+
+def _tensor_table(tensors: Mapping[str, TensorRecord], version: int) -> dict[str, Any]:
+    return {
+        t.name: {
+            "file": t.file,
+            "offsets": [t.begin, t.end],
+            "dtype": dtype_name(t.dtype),
+            "shape": list(t.shape),
+            **({"checksum": t.checksum} if version >= 2 and t.checksum is not None else {}),
+        }
+        for t in tensors.values()
+    }
+
+
+class TensorTable(Mapping[str, TensorRecord]):
+    """An immutable table of tensor records that encodes itself as JSON once.
+
+    A save's tensor table is most of its manifest (tens of thousands of entries for a
+    state of small tensors) and, for a checkpoint in one directory, a function of the
+    write plan alone: the plan keeps its table, and every save of that structure reuses
+    the encoding instead of building and encoding the entries again."""
+
+    __slots__ = ("_encoded", "_records")
+
+    def __init__(self, records: Mapping[str, TensorRecord]) -> None:
+        self._records = dict(records)
+        self._encoded: dict[int, tuple[str, str]] = {}
+
+    def __getitem__(self, name: str) -> TensorRecord:
+        return self._records[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def encoded(self, version: int) -> tuple[str, str]:
+        """The table as a manifest of ``version`` writes it: in its own order, and in the
+        canonical form (keys sorted) that the manifest's checksum covers."""
+        if version not in self._encoded:
+            with gc_paused():
+                table = _tensor_table(self._records, version)
+                self._encoded[version] = (_dumps(table), _canonical_text(table))
+        return self._encoded[version]
 
 
 def _views_json(views: Mapping[str, ViewSpec]) -> dict[str, Any]:
@@ -220,17 +258,44 @@ def _views_json(views: Mapping[str, ViewSpec]) -> dict[str, Any]:
     }
 
 
+def _canonical_text(doc: Any) -> str:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
 def _canonical(doc: Mapping[str, Any]) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    return _canonical_text(doc).encode()
+
+
+def _dumps(doc: Any) -> str:
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
 
 def dump_manifest(manifest: Manifest) -> bytes:
     """The manifest file's bytes: compact JSON with a checksum of its canonical form. The
     file keeps the state's key order (a load gives the tensors back in it); the canonical
-    form, keys sorted, is only hashed."""
-    doc = manifest.to_json()
-    doc["manifest_checksum"] = xxhash.xxh3_64_hexdigest(_canonical(doc))
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    form, keys sorted, is only hashed.
+
+    The document is encoded a top-level field at a time, exactly as ``json.dumps`` would
+    encode it whole, so that the tensor table's encoding can be the one its `TensorTable`
+    keeps (the other fields are small)."""
+    with gc_paused():
+        doc = manifest.to_json(tensors=False)
+        tensors = manifest.tensors
+        table = tensors if isinstance(tensors, TensorTable) else TensorTable(tensors)
+        ordered, canonical = table.encoded(manifest.version)
+        fields = {
+            k: (ordered, canonical) if k == "tensors" else (_dumps(v), _canonical_text(v))
+            for k, v in doc.items()
+        }
+        checksum = xxhash.xxh3_64_hexdigest(_object_text((k, fields[k][1]) for k in sorted(fields)).encode())
+        fields["manifest_checksum"] = (_dumps(checksum), "")
+        return _object_text((k, text) for k, (text, _) in fields.items()).encode() + b"\n"
+
+
+def _object_text(items: Iterable[tuple[str, str]]) -> str:
+    """A JSON object from its keys and its values' encodings, as ``json.dumps`` (compact)
+    writes one."""
+    return "{" + ",".join(f"{json.dumps(k)}:{v}" for k, v in items) + "}"
 
 
 # -- reading: everything a manifest says is checked here, before anything acts on it ------
@@ -337,21 +402,6 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused while a manifest is parsed: a large one is
-    millions of small objects (acyclic, so nothing for the collector to find), and the
-    collections its allocations trigger would walk all of them, again and again (measured:
-    2x the parse time of a 50,000-tensor manifest)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def parse_manifest(raw: bytes, where: str) -> Manifest:
     """Parse and check a manifest; every fault is a `CheckpointCorruptError` naming ``where``
     and the field.
@@ -364,7 +414,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     hold); views inside their base; aliases and skeleton references to known tensors;
     the skeleton's markers and its nesting depth.
     """
-    with _gc_paused():
+    with gc_paused():
         return _parse_manifest(raw, where)
 
 

@@ -23,24 +23,26 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._exceptions import StateMismatchError
 from ._flatten import Flattened, ViewSpec
 from ._format import FileLayout, dtype_from_name, dtype_name, layout_file
-from ._manifest import RankState
+from ._manifest import RankState, TensorRecord, TensorTable
 from ._partition import Entry, Piece, partition, writers_for
 from ._partition import Plan as Partitioned
 from ._skeleton import rename_refs
+from ._workers import gc_paused
 
 Replicated = bool | Callable[[str], bool] | None
 
 
-@dataclass(frozen=True)
-class TensorDesc:
-    """One stored tensor, as its rank describes it to the others."""
+class TensorDesc(NamedTuple):
+    """One stored tensor, as its rank describes it to the others (a named tuple: a state
+    has tens of thousands of them, made on every save)."""
 
     name: str
     """Its name in the checkpoint: rank-local tensors carry ``@rank``; shards carry the whole
@@ -58,7 +60,7 @@ class TensorDesc:
     row_start: int = 0
     """For a shard: its first row in the whole tensor."""
 
-    @functools.cached_property
+    @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
 
@@ -78,22 +80,30 @@ class RankDesc:
 def describe(flat: Flattened, rank: int, world_size: int, replicated: Replicated) -> tuple[TensorDesc, ...]:
     """Classify this rank's stored tensors: shared by all ranks, this rank's own, or a
     dim-0 shard of a whole tensor (only with several ranks: alone, a rank holds it whole)."""
+    with gc_paused():
+        return _describe(flat, rank, world_size, replicated)
+
+
+def _describe(flat: Flattened, rank: int, world_size: int, replicated: Replicated) -> tuple[TensorDesc, ...]:
     out = []
     for s in flat.stored:
-        shape = tuple(int(d) for d in s.source.shape)
-        dtype = dtype_name(s.source.dtype)
+        src = s.source
+        shape = tuple(src.shape)  # torch.Size: ints already
+        dtype = dtype_name(src.dtype)
+        align = s.align or src.element_size()
         if world_size > 1 and s.name in flat.sharded and flat.sharded[s.name][0][:1] != (0,):
             whole, start = flat.sharded[s.name]
-            out.append(TensorDesc(s.name, s.name, dtype, shape, s.alignment, "shard", whole, start))
+            out.append(TensorDesc(s.name, s.name, dtype, shape, align, "shard", whole, start))
             continue
-        if s.name in flat.replicated or world_size == 1:
+        if world_size == 1 or s.name in flat.replicated:
             shared = True
         elif callable(replicated):
             shared = bool(replicated(s.name))
         else:
             shared = bool(replicated)
         name = s.name if shared else f"{s.name}@{rank}"
-        out.append(TensorDesc(name, s.name, dtype, shape, s.alignment, "replicated" if shared else "local"))
+        kind = "replicated" if shared else "local"
+        out.append(TensorDesc(name, s.name, dtype, shape, align, kind))
     return tuple(out)
 
 
@@ -152,6 +162,21 @@ class WritePlan:
     def of_rank(self, rank: int) -> list[FilePlan]:
         return [f for f in self.files if f.rank == rank]
 
+    @functools.cached_property
+    def records(self) -> TensorTable:
+        """The manifest's records of the tensors stored whole (without per-part checksums),
+        in file order: the whole tensor table of a version 1 manifest, made (and encoded)
+        once per plan rather than once per save."""
+        records: dict[str, TensorRecord] = {}
+        for f in self.files:
+            base = f.layout.data_offset
+            for part, entry in zip(f.parts, f.layout.entries, strict=True):
+                if part.target_rows is None:
+                    records[part.target] = TensorRecord(
+                        part.target, f.name, base + entry.begin, base + entry.end, entry.dtype, entry.shape
+                    )
+        return TensorTable(records)
+
     @property
     def needs_index(self) -> bool:
         """A model's weights in several shards: Hugging Face's index goes beside them."""
@@ -164,6 +189,7 @@ def _rows(shape: tuple[int, ...]) -> int:
 
 _PLANS: dict[tuple[object, ...], WritePlan] = {}
 _PLANS_KEPT = 4
+_PLANS_LOCK = threading.Lock()
 
 
 def plan_write(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int) -> WritePlan:
@@ -175,18 +201,21 @@ def plan_write(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int) -
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    key = (
-        tuple((d.rank, d.local_rank, d.model_only, d.tensors) for d in descs),
-        num_dirs,
-        max_shard_bytes,
-    )
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _plan_write(descs, num_dirs, max_shard_bytes)
-        if len(_PLANS) >= _PLANS_KEPT:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
-    return plan
+    with gc_paused():
+        key = (
+            tuple((d.rank, d.local_rank, d.model_only, d.tensors) for d in descs),
+            num_dirs,
+            max_shard_bytes,
+        )
+        with _PLANS_LOCK:
+            plan = _PLANS.get(key)
+        if plan is None:
+            plan = _plan_write(descs, num_dirs, max_shard_bytes)
+            with _PLANS_LOCK:
+                if len(_PLANS) >= _PLANS_KEPT:
+                    _PLANS.pop(next(iter(_PLANS)))
+                _PLANS[key] = plan
+        return plan
 
 
 def _check_replicated(ranks: Sequence[RankDesc]) -> None:

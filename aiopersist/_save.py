@@ -222,8 +222,7 @@ async def write_file(
     buffer, while the file is being written."""
     hasher = hasher if hasher is not None else new_hasher()
     async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
-        for part in parts:
-            await writer.write(part, stable=True)
+        await writer.write_stable(parts)
         await writer.copied()
         if written is not None:
             written()  # every byte is in staging or on its way to the disk
@@ -359,6 +358,13 @@ async def save(
 # -- the executor ---------------------------------------------------------------------------
 
 
+def _describe(
+    flat: Flattened, rank: int, local_rank: int, world: int, replicated: Replicated, token: str
+) -> RankDesc:
+    tensors = describe(flat, rank, world, replicated)
+    return RankDesc(rank, local_rank, tensors, rank_state(flat, tensors), token, flat.model_only)
+
+
 @dataclass(frozen=True)
 class _Written:
     """One data file a rank wrote: its plan, its record, and a checksum per part (version 2
@@ -415,21 +421,26 @@ async def save_state(
                 "pickled objects cannot be saved across several ranks or directories; "
                 "save them separately or store them as tensors"
             )
-        tensors = describe(flat, rank, world, replicated)
         local_rank = coord.local_rank if coord is not None else 0
-        if rank == 0:
-            # To its end: a cancellation while the thread makes it would leave it behind.
-            await to_thread_to_the_end(
-                make_temp, final, overwrite, token, discard=lambda made: remove_empty_directory(made.tmp)
-            )
-        desc = RankDesc(rank, local_rank, tensors, rank_state(flat, tensors), token, flat.model_only)
+        described = asyncio.ensure_future(
+            asyncio.to_thread(_describe, flat, rank, local_rank, world, replicated, token)
+        )
+        try:
+            if rank == 0:
+                # To its end: a cancellation while the thread makes it would leave it behind.
+                await to_thread_to_the_end(
+                    make_temp, final, overwrite, token, discard=lambda made: remove_empty_directory(made.tmp)
+                )
+        finally:
+            await settle([described])
+        desc = described.result()
     except Exception as exc:
         error = exc
     try:
         descs: list[RankDesc] = await exchange(desc, error)
         token = descs[0].token
         # 2. plan: pure and the same everywhere, so it fails everywhere alike.
-        plan = plan_write(descs, len(paths), max_shard_bytes)
+        plan = await asyncio.to_thread(plan_write, descs, len(paths), max_shard_bytes)
         assert isinstance(flat, Flattened)
         # 3. write; a failure here is every rank's.
         mine: list[_Written] = []
@@ -567,15 +578,32 @@ async def _commit(
 ) -> list[FileRecord]:
     """4. The manifest (and the model index) from every rank's records, into the primary."""
     tmp = temp_path(paths[0], token)
+    out = await asyncio.to_thread(_manifest_files, descs, plan, written, extras, paths, token, metadata)
+    dio = await to_thread_to_the_end(probe_directory, tmp)
+    return list(await run_all(write_file(be, os.path.join(tmp, n), dio, pool, [b]) for n, b in out))
+
+
+def _manifest_files(
+    descs: Sequence[RankDesc],
+    plan: WritePlan,
+    written: Sequence[Sequence[_Written]],
+    extras: Sequence[FileRecord],
+    paths: Sequence[str],
+    token: str,
+    metadata: Mapping[str, str] | None,
+) -> list[tuple[str, bytes]]:
+    """The manifest's bytes (and the model index's), from every rank's records: CPU work
+    proportional to the number of tensors, for a worker thread."""
     files: dict[str, FileRecord] = {}
-    whole: dict[str, TensorRecord] = {}
+    whole: dict[str, TensorRecord] = {}  # version 2: every part has a checksum of its own
     slices: dict[str, list[SliceRecord]] = {}
     for per_rank in written:
         for w in per_rank:
             files[w.plan.name] = w.record
+            if not plan.spread:
+                continue
             base = w.record.data_offset or 0
-            digests: Sequence[str | None] = w.digests or [None] * len(w.plan.parts)
-            for part, entry, digest in zip(w.plan.parts, w.plan.layout.entries, digests, strict=True):
+            for part, entry, digest in zip(w.plan.parts, w.plan.layout.entries, w.digests, strict=True):
                 begin, end = base + entry.begin, base + entry.end
                 if part.target_rows is None:
                     whole[part.target] = TensorRecord(
@@ -602,7 +630,7 @@ async def _commit(
     state0 = descs[0].state
     manifest = Manifest(
         files=files,
-        tensors=whole,
+        tensors=whole if plan.spread else plan.records,  # version 1: the plan's, made once
         skeleton=state0.skeleton,
         aliases=state0.aliases,
         views=state0.views,
@@ -618,16 +646,15 @@ async def _commit(
     )
     out = [(MANIFEST_NAME, dump_manifest(manifest))]
     if plan.needs_index:
-        weight_map = {t.name: t.file for t in whole.values()}
-        total = sum(t.nbytes for t in whole.values())
+        weight_map = {t.name: t.file for t in manifest.tensors.values()}
+        total = sum(t.nbytes for t in manifest.tensors.values())
         out.append(
             (
                 MODEL_INDEX,
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode(),
             )
         )
-    dio = await to_thread_to_the_end(probe_directory, tmp)
-    return list(await run_all(write_file(be, os.path.join(tmp, n), dio, pool, [b]) for n, b in out))
+    return out
 
 
 def _directories(paths: Sequence[str], token: str) -> tuple[str, ...]:

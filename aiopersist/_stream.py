@@ -332,6 +332,26 @@ class FileWriter:
         if now:
             await _run_copies(now)
 
+    async def write_stable(self, parts: Iterable[torch.Tensor | Bytes]) -> None:
+        """``write(part, stable=True)`` for each of ``parts``, in order. A contiguous CPU
+        tensor that fits in the current staging buffer without filling it (a state's
+        many small tensors) is only queued for its buffer's batch of copies, with no
+        await and no per-call overhead; every other part goes through `write`."""
+        for part in parts:
+            buf = self._buf
+            if (
+                buf is not None
+                and isinstance(part, torch.Tensor)
+                and part.is_cpu
+                and part.is_contiguous()
+                and self._fill + (n := part.nbytes) < buf.size
+            ):
+                self._jobs.append((buf, self._fill, part, 0, n))
+                self._fill += n
+                self.bytes_written += n
+            else:
+                await self.write(part, stable=True)
+
     async def copied(self) -> None:
         """Wait until every byte handed to `write` so far is in a staging buffer (the
         sources may change from then on). Raises a failure of those copies."""

@@ -54,6 +54,42 @@ async def test_exact_size_and_content(
     pool.close()
 
 
+async def test_many_small_pieces_land_in_order_with_the_rest(
+    backend: aiopersist.IOBackend, io_mode: str, tmp_path: Path
+) -> None:
+    """`write_stable` queues small contiguous tensors without awaiting; every other kind of
+    piece (bytes, a strided view, one that fills a buffer, empty ones) takes `write`'s way.
+    Whatever the mix, the file is the pieces in order."""
+    dio = aiopersist.probe_directory(tmp_path)
+    pool = aiopersist.StagingPool(CHUNK, 2)
+    src = _bytes(8 * CHUNK, seed=5)
+    pieces: list[Any] = []
+    pos = 0
+    for i, n in enumerate([1, 7, 4096, 0, 300, CHUNK - 11, 13, 2 * CHUNK + 5, 64, 3, CHUNK, 511] * 2):
+        n = min(n, src.numel() - pos)
+        piece = src[pos : pos + n]
+        if i % 5 == 1:
+            pieces.append(piece.numpy().tobytes())
+        elif i % 7 == 3 and n >= 2:
+            # A strided view with the same bytes in row-major order: (n/2, 2) transposed back.
+            half = n // 2 * 2
+            pieces.append(piece[:half].reshape(2, half // 2).t().contiguous().t())
+            if n > half:
+                pieces.append(piece[half:])
+        else:
+            pieces.append(piece)
+        pos += n
+    path = tmp_path / "m.bin"
+    async with FileWriter(backend, path, dio, pool) as w:
+        await w.write_stable(pieces)
+        await w.copied()
+    assert w.bytes_written == pos
+    assert path.read_bytes() == src[:pos].numpy().tobytes()
+    assert pool.in_use == 0
+    assert pool.peak_in_use <= 2
+    pool.close()
+
+
 async def test_segments_land_where_they_belong(
     backend: aiopersist.IOBackend, io_mode: str, tmp_path: Path
 ) -> None:

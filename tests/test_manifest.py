@@ -1,0 +1,110 @@
+"""The manifest's encoding (pure): `dump_manifest` encodes a field at a time and reuses a
+plan's tensor table, and must write exactly the bytes, and the checksum, that encoding
+the whole document at once gives; and the records a plan keeps are its files' layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xxhash
+
+from aiopersist._flatten import ViewSpec, flatten
+from aiopersist._manifest import (
+    FileRecord,
+    Manifest,
+    RankState,
+    SlicedRecord,
+    SliceRecord,
+    TensorRecord,
+    TensorTable,
+    dump_manifest,
+    parse_manifest,
+)
+from aiopersist._plan import RankDesc, describe, plan_write, rank_state
+
+
+def _whole_document_bytes(m: Manifest) -> bytes:
+    """The manifest as encoding the document whole defines it: the checksum of the sorted,
+    ASCII-only canonical form, then the document in its own order."""
+    doc = m.to_json()
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    doc["manifest_checksum"] = xxhash.xxh3_64_hexdigest(canonical.encode())
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+
+
+def _manifest(version: int) -> Manifest:
+    # Names that JSON escapes, sorts differently from insertion order, or writes as \u
+    # escapes: the field-at-a-time encoding must agree with the whole one on all of them.
+    names = ["zeta", "Ünïcode.wéight", 'quote"d\\back', "tab\there", "emoji.😀", "a"]
+    tensors: dict[str, TensorRecord] = {}
+    offset = 128
+    for i, name in enumerate(names):
+        checksum = f"{i:016x}" if version >= 2 else None
+        tensors[name] = TensorRecord(
+            name, "state.safetensors", offset, offset + 16, torch.float32, (2, 2), checksum
+        )
+        offset += 16
+    files = {"state.safetensors": FileRecord("state.safetensors", offset, "0" * 16, 128)}
+    skeleton = {n: {"__tensor__": n} for n in names} | {"lr": 1e-05, "nan": {"__float__": "nan"}, "ok": True}
+    kw: dict[str, object] = {}
+    if version >= 2:
+        kw = {
+            "sliced": {
+                "s": SlicedRecord(
+                    "s", torch.bfloat16, (4,), (SliceRecord("state.safetensors", 0, 8, 0, 4, "ab" * 8),)
+                )
+            },
+            "directories": (".", "../other/part-0123456789ab"),
+            "ranks": {1: RankState({"x": 1}, {"y": "a"}, {})},
+        }
+    return Manifest(
+        files=files,
+        tensors=tensors,
+        skeleton=skeleton,
+        aliases={"tied": "a"},
+        views={"v": ViewSpec("a", 4, torch.float32, (2,), (1,))},
+        metadata={"note": 'ünï "quoted"', "step": "7"},
+        layout="state",
+        world_size=2 if version >= 2 else 1,
+        version=version,
+        created="2026-11-23T00:00:00+00:00",
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_field_at_a_time_encoding_is_the_whole_documents(version: int) -> None:
+    m = _manifest(version)
+    assert dump_manifest(m) == _whole_document_bytes(m)
+    # The same table, kept (as a plan keeps it): the same bytes, encoded once.
+    table = TensorTable(m.tensors)
+    kept = Manifest(**{**m.__dict__, "tensors": table})
+    assert dump_manifest(kept) == _whole_document_bytes(m)
+    assert table.encoded(version) is table.encoded(version)
+
+
+def test_a_plans_records_are_its_layout_and_make_a_manifest_that_parses() -> None:
+    state = {"b": torch.ones(3, dtype=torch.float16), "a": torch.zeros(2, 2), "n": torch.arange(5)}
+    flat = flatten(state)
+    tensors = describe(flat, 0, 1, None)
+    desc = RankDesc(0, 0, tensors, rank_state(flat, tensors), "tok", flat.model_only)
+    plan = plan_write([desc], 1, 1 << 40)
+    assert plan.records is plan.records  # made once per plan
+    (f,) = plan.files
+    for part, entry in zip(f.parts, f.layout.entries, strict=True):
+        rec = plan.records[part.target]
+        base = f.layout.data_offset
+        assert (rec.file, rec.begin, rec.end) == (f.name, base + entry.begin, base + entry.end)
+        assert (rec.dtype, rec.shape, rec.checksum) == (entry.dtype, entry.shape, None)
+    size = f.layout.data_offset + f.layout.data_bytes
+    m = Manifest(
+        files={f.name: FileRecord(f.name, size, "0" * 16, f.layout.data_offset)},
+        tensors=plan.records,
+        skeleton=desc.state.skeleton,
+        layout=plan.layout,
+    )
+    back = parse_manifest(dump_manifest(m), "test")
+    assert list(back.tensors) == list(plan.records)
+    assert all(back.tensors[n] == plan.records[n] for n in back.tensors)
