@@ -39,6 +39,12 @@ from ._load import verify as verify
 from ._manager import CheckpointManager as CheckpointManager
 from ._manager import ManagedSaveHandle as ManagedSaveHandle
 from ._manager import StepInfo as StepInfo
+from ._retention import KeepAll as KeepAll
+from ._retention import KeepAny as KeepAny
+from ._retention import KeepEvery as KeepEvery
+from ._retention import KeepLast as KeepLast
+from ._retention import KeepSteps as KeepSteps
+from ._retention import Retention as Retention
 from ._rng import RNGState as RNGState
 from ._save import SaveInfo as SaveInfo
 from ._save import TorchSave as TorchSave
@@ -68,9 +74,15 @@ __all__ = [
     "DiskFullError",
     "FileWriter",
     "IOBackend",
+    "KeepAll",
+    "KeepAny",
+    "KeepEvery",
+    "KeepLast",
+    "KeepSteps",
     "ManagedSaveHandle",
     "RNGState",
     "RankFailedError",
+    "Retention",
     "SaveHandle",
     "SaveInfo",
     "SnapshotBudgetError",

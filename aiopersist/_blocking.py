@@ -27,6 +27,7 @@ from ._checkpointer import Checkpointer, Mode, OnBusy, SaveHandle
 from ._load import load
 from ._locate import PathArg
 from ._manager import CheckpointManager, ManagedSaveHandle
+from ._retention import Retention
 from ._save import ExtraFiles, SaveInfo, save
 from ._stream import CudaReady, caller_cuda_ready
 from ._workers import DaemonThreadPool
@@ -373,6 +374,8 @@ class BlockingCheckpointManager(_OnPortal):
         mirror_keep_last: int | None = None,
         backend: str = "auto",
         mode: Mode = "fence",
+        retention: Retention | None = None,
+        mirror_retention: Retention | None = None,
     ) -> None:
         self.manager: CheckpointManager = self._start(
             functools.partial(
@@ -384,6 +387,8 @@ class BlockingCheckpointManager(_OnPortal):
                 mirror_keep_last=mirror_keep_last,
                 backend=backend,
                 mode=mode,
+                retention=retention,
+                mirror_retention=mirror_retention,
             )
         )
 

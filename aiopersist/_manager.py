@@ -6,9 +6,11 @@ it). A step counts only when it is *complete*: its manifest parses and checks ou
 seals itself with a checksum) and every file it lists has the listed size. That takes
 reading the manifest, never the data.
 
-- **Retention**, after each commit, in the background: the newest ``keep_last`` complete
-  steps stay, and every step divisible by ``keep_every`` stays for good; the newest
-  complete step, any step being written, and any step being restored are never deleted.
+- **Retention**, after each commit, in the background, by a policy (`_retention`):
+  ``retention=KeepLast(3) | KeepEvery(1000)`` keeps the newest three complete steps and
+  every thousandth for good (``keep_last=3, keep_every=1000`` is the shorthand; with
+  neither, every step stays); the newest complete step, any step being written, and any
+  step being restored are never deleted, whatever the policy.
   A deletion first renames the step to a trash name (atomic), then removes it: a crash
   midway leaves trash, which the next start removes, never a half-deleted step under
   its name.
@@ -40,7 +42,7 @@ import socket
 import stat
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +81,7 @@ from ._names import (
     beside,
     step_name,
 )
+from ._retention import Retention, policy_of, to_delete
 from ._save import SaveInfo
 from ._stream import CudaReady
 
@@ -228,21 +231,6 @@ def scan(directories: str | Sequence[str], tier: str = "local") -> list[StepInfo
         complete, nbytes, problem = check_step(step_paths(dirs, name))
         out.append(StepInfo(int(m.group(1)), path, tier, complete, nbytes, problem))
     return sorted(out, key=lambda s: s.step)
-
-
-def to_delete(
-    steps: Sequence[int], keep_last: int | None, keep_every: int | None, protected: Collection[int] = ()
-) -> list[int]:
-    """The complete ``steps`` that retention deletes (pure). ``keep_last=None`` keeps all."""
-    ordered = sorted(set(steps))
-    if not ordered or keep_last is None:
-        return []
-    keep = set(ordered[-keep_last:]) if keep_last > 0 else set()
-    if keep_every:
-        keep |= {s for s in ordered if s % keep_every == 0}
-    keep.add(ordered[-1])  # never the newest complete one
-    keep |= set(protected)
-    return [s for s in ordered if s not in keep]
 
 
 def delete_step(path: PathArg) -> None:
@@ -445,6 +433,8 @@ class CheckpointManager:
         checkpointer: Checkpointer | None = None,
         backend: str = "auto",
         mode: Mode = "fence",
+        retention: Retention | None = None,
+        mirror_retention: Retention | None = None,
     ) -> None:
         for name, value in (
             ("keep_last", keep_last),
@@ -453,6 +443,15 @@ class CheckpointManager:
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        for name, policy in (("retention", retention), ("mirror_retention", mirror_retention)):
+            if policy is not None and not isinstance(policy, Retention):
+                raise TypeError(
+                    f"{name} must be a Retention policy (KeepLast(3) | KeepEvery(1000)), got {policy!r}"
+                )
+        if retention is not None and (keep_last is not None or keep_every is not None):
+            raise ValueError("pass retention, or its shorthands keep_last/keep_every, not both")
+        if mirror_retention is not None and mirror_keep_last is not None:
+            raise ValueError("pass mirror_retention, or its shorthand mirror_keep_last, not both")
         if isinstance(directory, str | os.PathLike):
             dirs = [os.path.abspath(os.fspath(directory))]
         else:
@@ -461,10 +460,13 @@ class CheckpointManager:
                 raise ValueError("directory: an empty list")
         self.directories = dirs
         self.directory = dirs[0]
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        self.retention: Retention = retention if retention is not None else policy_of(keep_last, keep_every)
+        """Which complete local steps stay (a `Retention` policy)."""
         self.mirror = os.path.abspath(os.fspath(mirror)) if mirror is not None else None
-        self.mirror_keep_last = mirror_keep_last
+        self.mirror_retention: Retention = (
+            mirror_retention if mirror_retention is not None else policy_of(mirror_keep_last, keep_every)
+        )
+        """Which complete steps stay in the mirror."""
         self._backend = backend
         self._rank0 = _is_rank0()
         self._reading: set[str] = set()
@@ -604,7 +606,7 @@ class CheckpointManager:
             if info is None or not _is_rank0():
                 _resolve(mirrored, None)
                 return
-            await asyncio.to_thread(self._retain, self.directories, self.keep_last, "local")
+            await asyncio.to_thread(self._retain, self.directories, self.retention, "local")
             if self.mirror is None:
                 _resolve(mirrored, None)
                 return
@@ -619,6 +621,8 @@ class CheckpointManager:
                 )
                 _fail_quietly(mirrored, exc)
                 return
+            # Steps that waited to be mirrored were spared by the local retention above.
+            await asyncio.to_thread(self._retain, self.directories, self.retention, "local")
             path = os.path.join(self.mirror, step_name(managed.step))
             there = await asyncio.to_thread(os.path.isdir, path)  # absent: the mirror's retention dropped it
             _resolve(mirrored, path if there else None)
@@ -626,14 +630,14 @@ class CheckpointManager:
             _fail_quietly(mirrored, exc)
             raise
 
-    def _retain(self, directories: Sequence[str], keep_last: int | None, tier: str) -> None:
+    def _retain(self, directories: Sequence[str], policy: Retention, tier: str) -> None:
         complete = [s for s in scan(directories, tier) if s.complete]
         protected = (
             set(self._writing)
             | set(self._mirroring)
             | {s.step for s in complete if os.path.normpath(s.path) in self._reading}
         )
-        for step in to_delete([s.step for s in complete], keep_last, self.keep_every, protected):
+        for step in to_delete([s.step for s in complete], policy, protected):
             paths = step_paths(directories, step_name(step))
             log.info("aiopersist: retention deletes %s", paths[0])
             delete_step(paths)
@@ -645,13 +649,12 @@ class CheckpointManager:
         if self._mirror_lock is None:
             self._mirror_lock = asyncio.Lock()
         async with self._mirror_lock:
-            local = [s for s in scan(self.directories, "local") if s.complete]
-            there = {s.step for s in scan(self.mirror, "mirror") if s.complete}
+            # The scans read every step's manifest: in a worker thread.
+            local = [s for s in await asyncio.to_thread(scan, self.directories, "local") if s.complete]
+            there = {s.step for s in await asyncio.to_thread(scan, self.mirror, "mirror") if s.complete}
             wanted = [s.step for s in local if s.step not in there]
             self._mirroring.update(wanted)  # local retention leaves them until copied
-            keep = set(wanted) - set(
-                to_delete(sorted(there | set(wanted)), self.mirror_keep_last, self.keep_every)
-            )
+            keep = set(wanted) - set(to_delete(sorted(there | set(wanted)), self.mirror_retention))
             try:
                 for s in local:
                     if s.step in keep:
@@ -659,7 +662,7 @@ class CheckpointManager:
                         await asyncio.to_thread(copy_step, src, self.mirror, s.step)
             finally:
                 self._mirroring.difference_update(wanted)
-            await asyncio.to_thread(self._retain, [self.mirror], self.mirror_keep_last, "mirror")
+            await asyncio.to_thread(self._retain, [self.mirror], self.mirror_retention, "mirror")
 
     # -- restoring ----------------------------------------------------------------------
 

@@ -13,7 +13,17 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # 0. Shared by all: errors, knobs, on-disk names, thread pools.
     "base": ("_exceptions", "_knobs", "_names", "_workers", "_rng"),
     # 1. Pure: no asyncio, no files. Untrusted input is validated here.
-    "model": ("_format", "_skeleton", "_flatten", "_manifest", "_partition", "_plan", "_readplan", "_into"),
+    "model": (
+        "_format",
+        "_skeleton",
+        "_flatten",
+        "_manifest",
+        "_partition",
+        "_plan",
+        "_readplan",
+        "_into",
+        "_retention",
+    ),
     # 2. The engine: bytes, not meaning.
     "engine": ("_native", "_backends", "_direct", "_staging", "_stream", "_dist"),
     # 3. File-system conventions: temp, publish, fsync; what is at a path.

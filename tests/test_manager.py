@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import aiopersist
-from aiopersist._manager import to_delete
 from aiopersist._names import LOCK_NAME, TRASH_MARKER
 from tests.conftest import URING_OK
 
@@ -35,19 +34,6 @@ def state_of(step: int) -> dict[str, object]:
 def _names(d: Path) -> list[str]:
     """What is in ``d`` besides the manager's lock file, which stays for good."""
     return sorted(n for n in os.listdir(d) if n != LOCK_NAME) if d.exists() else []
-
-
-# -- retention, pure ------------------------------------------------------------------------
-
-
-def test_to_delete_keeps_the_newest_and_every_kth() -> None:
-    steps = [10, 20, 30, 40, 50, 60]
-    assert to_delete(steps, None, None) == []
-    assert to_delete(steps, 2, None) == [10, 20, 30, 40]
-    assert to_delete(steps, 2, 20) == [10, 30]
-    assert to_delete(steps, 1, None, protected={20}) == [10, 30, 40, 50]
-    assert to_delete([], 1, None) == []
-    assert to_delete([5], 1, 7) == []
 
 
 # -- the manager ----------------------------------------------------------------------------
@@ -96,6 +82,36 @@ async def test_retention_keep_last_and_keep_every(tmp_path: Path, backend: str) 
         await mgr.wait()
         assert mgr.steps() == [5, 10, 11]
         assert not [n for n in _names(tmp_path) if not n.startswith("step-")]  # no trash left
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_retention_policies_local_and_mirror(tmp_path: Path, backend: str) -> None:
+    local, mirror = tmp_path / "local", tmp_path / "shared"
+    async with aiopersist.CheckpointManager(
+        local,
+        retention=aiopersist.KeepLast(1) | aiopersist.KeepSteps({2}),
+        mirror=mirror,
+        mirror_retention=aiopersist.KeepEvery(2),
+        backend=backend,
+    ) as mgr:
+        for step in range(1, 6):
+            await (await mgr.save(step, state_of(step))).done
+        await mgr.wait()
+        assert _names(local) == ["step-2", "step-5"]
+        # The mirror keeps the even steps, and the newest (never deleted, whatever the policy).
+        assert _names(mirror) == ["step-2", "step-4", "step-5"]
+
+
+def test_retention_and_its_shorthands_are_exclusive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not both"):
+        aiopersist.CheckpointManager(tmp_path / "a", retention=aiopersist.KeepLast(1), keep_last=2)
+    with pytest.raises(ValueError, match="not both"):
+        aiopersist.CheckpointManager(
+            tmp_path / "b", mirror=tmp_path / "m", mirror_retention=aiopersist.KeepAll(), mirror_keep_last=1
+        )
+    with pytest.raises(TypeError, match="Retention"):
+        aiopersist.CheckpointManager(tmp_path / "c", retention=3)  # type: ignore[arg-type]
 
 
 @pytest.mark.asyncio

@@ -41,12 +41,9 @@ already resolved.
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 import random
 import re
-import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -55,15 +52,10 @@ import torch
 from .. import _knobs
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Checkpointer, SaveHandle
+from .._dist import coordinator, process0_group
 from .._exceptions import CheckpointExistsError
-from .._names import TMP_MARKER
 from .._save import TorchSave
-
-
-def _torch_bytes(obj: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+from ._common import delete_checkpoints, files_written_by, gather_objects, torch_bytes
 
 
 def _rng_states(step: int) -> dict[str, Any]:
@@ -107,8 +99,7 @@ def _outdated(accelerator: Any) -> list[str]:
 
 
 def _delete_outdated(accelerator: Any) -> None:
-    for folder in _outdated(accelerator):
-        shutil.rmtree(folder)
+    delete_checkpoints(_outdated(accelerator))
 
 
 def _target(accelerator: Any, output_dir: str | os.PathLike[str] | None, overwrite: bool) -> tuple[str, bool]:
@@ -155,26 +146,12 @@ def _run_save_hooks(accelerator: Any, weights: list[dict[str, Any]], target: str
     hooks = list(accelerator._save_model_state_pre_hook.values())
     if not hooks:
         return {}
-    parent, name = os.path.split(os.path.abspath(target))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{name}{TMP_MARKER}hooks-", dir=parent)
-    try:
+
+    def run_hooks(staging: str) -> None:
         for hook in hooks:
             hook(accelerator._models, weights, staging)
-        if accelerator.process_index != 0:
-            return {}
-        files: dict[str, bytes] = {}
-        for entry in sorted(os.scandir(staging), key=lambda e: e.name):
-            if not entry.is_file(follow_symlinks=False):
-                raise ValueError(
-                    f"a save_state pre-hook wrote {entry.name!r}, which is not a plain file: aiopersist's "
-                    "save_state takes only files at the top of the checkpoint from the hooks"
-                )
-            with open(entry.path, "rb") as f:
-                files[entry.name] = f.read()
-        return files
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    return files_written_by(run_hooks, target, keep=accelerator.process_index == 0)
 
 
 def _plan(accelerator: Any, target: str) -> tuple[object, dict[str, bytes | TorchSave], Any]:
@@ -204,7 +181,7 @@ def _plan(accelerator: Any, target: str) -> tuple[object, dict[str, bytes | Torc
     for i, opt in enumerate(accelerator._optimizers):
         extra["optimizer.bin" if i == 0 else f"optimizer_{i}.bin"] = TorchSave(opt.state_dict())
     for i, sched in enumerate(accelerator._schedulers):
-        extra["scheduler.bin" if i == 0 else f"scheduler_{i}.bin"] = _torch_bytes(sched.state_dict())
+        extra["scheduler.bin" if i == 0 else f"scheduler_{i}.bin"] = torch_bytes(sched.state_dict())
     for i, loader in enumerate(accelerator._dataloaders):
         # As save_accelerator_state does: the seedable sampler of a sharded iterable
         # dataset, and the state of a stateful data loader.
@@ -213,32 +190,22 @@ def _plan(accelerator: Any, target: str) -> tuple[object, dict[str, bytes | Torc
         if isinstance(loader.dataset, IterableDatasetShard):
             sampler = loader.get_sampler()
             if isinstance(sampler, SeedableRandomSampler):
-                extra["sampler.bin" if i == 0 else f"sampler_{i}.bin"] = _torch_bytes(sampler)
+                extra["sampler.bin" if i == 0 else f"sampler_{i}.bin"] = torch_bytes(sampler)
         if getattr(loader, "use_stateful_dataloader", False):
-            extra["dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"] = _torch_bytes(
+            extra["dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"] = torch_bytes(
                 loader.state_dict()
             )
     if accelerator.scaler is not None:
-        extra["scaler.pt"] = _torch_bytes(accelerator.scaler.state_dict())
+        extra["scaler.pt"] = torch_bytes(accelerator.scaler.state_dict())
     for i, obj in enumerate(accelerator._custom_objects):
         extra[f"custom_checkpoint_{i}.pkl"] = TorchSave(obj.state_dict())
-    mine = _rng_states(accelerator.step)
+    for rank, states in enumerate(gather_objects(_rng_states(accelerator.step))):
+        extra[f"random_states_{rank}.pkl"] = torch_bytes(states)
     group = None
-    world = accelerator.num_processes
-    if world > 1:
-        import torch.distributed as dist
-
-        from .._dist import coordinator, process0_group
-
+    if accelerator.num_processes > 1:
         coord = coordinator()
-        everyone: list[Any] = [None] * world
         assert coord is not None
-        dist.all_gather_object(everyone, mine, group=coord.group)
-        for rank, states in enumerate(everyone):
-            extra[f"random_states_{rank}.pkl"] = _torch_bytes(states)
         group = process0_group(coord)
-    else:
-        extra["random_states_0.pkl"] = _torch_bytes(mine)
     return model_state, extra, group
 
 

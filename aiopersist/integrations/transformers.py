@@ -36,13 +36,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import io
 import json
 import logging
 import os
 import random
 import re
-import shutil
 import threading
 from typing import Any, cast
 
@@ -64,9 +62,10 @@ from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode
 from .._commit import remove_path
 from .._dist import coordinator, process0_group
-from .._manager import check_step, delete_step
+from .._manager import check_step
 from .._names import MANIFEST_NAME, TMP_MARKER, TRASH_MARKER
 from .._save import SaveInfo, TorchSave
+from ._common import delete_checkpoints, files_written_by, gather_objects, torch_bytes
 
 log = logging.getLogger("aiopersist")
 
@@ -74,12 +73,6 @@ CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 # The save strategies under which the stock Trainer records the best checkpoint.
 _TRACKS_BEST = ("steps", "epoch", "best")
-
-
-def _torch_bytes(obj: object) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 def _rng_states(distributed: bool = False) -> dict[str, Any]:
@@ -338,7 +331,7 @@ class AioPersistCallback(TrainerCallback):
         rng_files = self._gather_rng_states(args)  # every rank takes part; process 0 gets them
         if args.should_save:
             _export_callback_states(trainer)
-            files = self._checkpoint_files(trainer, rng_files)
+            files = self._checkpoint_files(trainer, path, rng_files)
             previous, self._handle = self._handle, None
             if previous is not None:
                 # The save would wait for it anyway (one in flight); its error is raised here.
@@ -390,7 +383,7 @@ class AioPersistCallback(TrainerCallback):
             state.best_model_checkpoint = best
 
     def _checkpoint_files(
-        self, trainer: Trainer, rng_files: dict[str, bytes]
+        self, trainer: Trainer, path: str, rng_files: dict[str, bytes]
     ) -> dict[str, bytes | TorchSave]:
         """Every file of the checkpoint but the weights, as the stock save writes them."""
         args, state = trainer.args, trainer.state
@@ -399,22 +392,22 @@ class AioPersistCallback(TrainerCallback):
             if trainer.optimizer is not None:
                 files["optimizer.pt"] = TorchSave(trainer.optimizer.state_dict())
             if trainer.lr_scheduler is not None:
-                files["scheduler.pt"] = _torch_bytes(trainer.lr_scheduler.state_dict())
+                files["scheduler.pt"] = torch_bytes(trainer.lr_scheduler.state_dict())
             scaler = getattr(trainer.accelerator, "scaler", None)  # fp16 on GPU
             if scaler is not None:
-                files["scaler.pt"] = _torch_bytes(scaler.state_dict())
+                files["scaler.pt"] = torch_bytes(scaler.state_dict())
             files.update(rng_files)
         # As TrainerState.save_to_json writes it, at this moment: later steps change the state.
         files["trainer_state.json"] = (
             json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
         ).encode()
-        files["training_args.bin"] = _torch_bytes(args)
+        files["training_args.bin"] = torch_bytes(args)
         tokenizer = trainer.processing_class
         if tokenizer is None:
             # As Trainer._save: the data collator's tokenizer when there is no processing class.
             tokenizer = getattr(trainer.data_collator, "tokenizer", None)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            files.update(_processing_files(tokenizer))
+            files.update(_processing_files(tokenizer, path))
         return files
 
     def _gather_rng_states(self, args: TrainingArguments) -> dict[str, bytes]:
@@ -425,13 +418,8 @@ class AioPersistCallback(TrainerCallback):
         if args.save_only_model:
             return {}
         if args.world_size <= 1:
-            return {"rng_state.pth": _torch_bytes(_rng_states())}
-        coord = coordinator()
-        assert coord is not None
-        # Over the checkpoint's own gloo group, whatever the training's backend is.
-        mine = _torch_bytes(_rng_states(distributed=True))
-        everyone: list[Any] = [None] * coord.world_size
-        torch.distributed.all_gather_object(everyone, mine, group=coord.group)
+            return {"rng_state.pth": torch_bytes(_rng_states())}
+        everyone = gather_objects(torch_bytes(_rng_states(distributed=True)))
         if args.process_index != 0:
             return {}
         return {f"rng_state_{i}.pth": cast(bytes, b) for i, b in enumerate(everyone)}
@@ -463,7 +451,7 @@ class AioPersistCallback(TrainerCallback):
             "aiopersist: %s committed (%.2f s, %.2f GiB/s)", info.path, info.seconds, info.gib_per_second
         )
         if limit is not None and limit > 0:
-            _delete_all(to_rotate(_checkpoints(run_dir), limit, best))
+            delete_checkpoints(to_rotate(_checkpoints(run_dir), limit, best))
 
     def _drain(self, args: TrainingArguments) -> None:
         """Wait until the save in flight is durable (raising its error) and rotated; under
@@ -554,25 +542,7 @@ def _model_files(model: Any) -> dict[str, bytes | TorchSave]:
     return files
 
 
-def _processing_files(processing_class: Any) -> dict[str, bytes | TorchSave]:
-    """A tokenizer's (or processor's) files, as ``save_pretrained`` writes them."""
-    import tempfile
-
-    out: dict[str, bytes | TorchSave] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        processing_class.save_pretrained(tmp)
-        for name in os.listdir(tmp):
-            full = os.path.join(tmp, name)
-            if os.path.isfile(full):
-                with open(full, "rb") as f:
-                    out[name] = f.read()
-    return out
-
-
-def _delete_all(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            delete_step(path)
-        except OSError as exc:
-            log.warning("aiopersist: could not delete %s: %s", path, exc)
-            shutil.rmtree(path, ignore_errors=True)
+def _processing_files(processing_class: Any, path: str) -> dict[str, bytes | TorchSave]:
+    """A tokenizer's (or processor's) files, as its ``save_pretrained`` writes them into the
+    checkpoint ``path``."""
+    return dict(files_written_by(processing_class.save_pretrained, path))

@@ -1,0 +1,85 @@
+"""What the integrations share: the small files they write the way their framework does,
+the per-process states gathered for process 0 (which writes alone), the files a
+framework's own writer produces, and the crash-safe deletion of checkpoints.
+
+Nothing here imports a framework: each integration module imports its own.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .._dist import coordinator
+from .._manager import delete_step
+from .._names import TMP_MARKER
+
+log = logging.getLogger("aiopersist")
+
+
+def torch_bytes(obj: object) -> bytes:
+    """``obj`` as ``torch.save`` writes it to a file (for the small pickled files that
+    Trainer and Accelerate checkpoints hold: scheduler, scaler, RNG states, arguments)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def gather_objects(obj: object) -> list[Any]:
+    """Every process's ``obj``, in rank order, on every process: gathered over the
+    checkpoint's own gloo group, whatever backend the training uses. One process: ``[obj]``."""
+    coord = coordinator()
+    if coord is None or coord.world_size == 1:
+        return [obj]
+    everyone: list[Any] = [None] * coord.world_size
+    torch.distributed.all_gather_object(everyone, obj, group=coord.group)
+    return everyone
+
+
+def files_written_by(write: Callable[[str], None], beside: str, *, keep: bool = True) -> dict[str, bytes]:
+    """Run ``write(directory)`` (a ``save_pretrained``, a save hook) on a fresh staging
+    directory beside the checkpoint ``beside`` (hidden and marked temporary, so that an
+    interrupted run's is cleaned up like any other leftover), and return the files it
+    wrote there, by name, to be written into the checkpoint itself; the staging directory
+    is removed. With ``keep=False`` the writer runs (it may have effects the framework
+    relies on) and nothing is read.
+
+    The checkpoint takes plain files only: anything else the writer leaves there (a
+    subdirectory, a link) raises `ValueError` naming it, rather than being dropped."""
+    parent, name = os.path.split(os.path.abspath(beside))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{name}{TMP_MARKER}files-", dir=parent)
+    try:
+        write(staging)
+        if not keep:
+            return {}
+        files: dict[str, bytes] = {}
+        for entry in sorted(os.scandir(staging), key=lambda e: e.name):
+            if not entry.is_file(follow_symlinks=False):
+                raise ValueError(
+                    f"{entry.name!r} was written for the checkpoint {beside} but is not a plain file: "
+                    "aiopersist checkpoints take plain files at their top level only"
+                )
+            with open(entry.path, "rb") as f:
+                files[entry.name] = f.read()
+        return files
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def delete_checkpoints(paths: Sequence[str]) -> None:
+    """Delete checkpoints crash-safely (`delete_step`: renamed to a trash name, then
+    removed); one that cannot be is logged and removed as far as it can be."""
+    for path in paths:
+        try:
+            delete_step(path)
+        except OSError as exc:
+            log.warning("aiopersist: could not delete %s: %s", path, exc)
+            shutil.rmtree(path, ignore_errors=True)
