@@ -31,7 +31,7 @@ from ._format import FileLayout, header_length, parse_header
 from ._into import load_into
 from ._locate import READ_FLAGS, Located, PathArg, locate
 from ._manifest import FileRecord, Manifest, RankState, new_hasher
-from ._readplan import FileRead, ReadPlan, Span, check_tiling, plan_read, plan_safetensors
+from ._readplan import FileRead, ReadPlan, Span, check_tiling, plan_read, plan_safetensors, plan_verify
 from ._skeleton import decode
 from ._staging import StagingPool
 from ._stream import read_segments, run_all, settle
@@ -177,10 +177,28 @@ async def _read_whole(
             task.cancel()
         await settle(tasks)  # requests in flight write into the tensors until they end
         raise
-    actual = str(hasher.hexdigest())
+    _check_checksum(path, rec, str(hasher.hexdigest()))
+    return head
+
+
+def _check_checksum(path: str, rec: FileRecord, actual: str) -> None:
     if actual != rec.checksum:
         raise CheckpointCorruptError(f"{path}: checksum mismatch (stored {rec.checksum}, computed {actual})")
-    return head
+
+
+async def _check_whole(
+    be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingPool, rec: FileRecord, read: FileRead
+) -> None:
+    """A check-only read of one whole file: its checksum (streamed through the pool) and,
+    for a data file, its own header against the byte ranges the manifest places in it."""
+    _check_checksum(path, rec, await _hash_file(be, path, dio, pool, rec.nbytes))
+    if read.header is not None:
+        layout = await _read_header(be, path, rec.nbytes)
+        found = tuple(
+            sorted((layout.data_offset + e.begin, layout.data_offset + e.end) for e in layout.entries)
+        )
+        if layout.data_offset != rec.data_offset or found != read.header:
+            raise CheckpointCorruptError(f"{path}: its header does not match the manifest")
 
 
 async def _read_spans(
@@ -215,7 +233,9 @@ async def execute_read(
             return
         rec = manifest.files[read.file]
         path = loc.path_of(rec)
-        if read.whole:
+        if read.whole and not read.spans:  # check-only (verify): nothing to keep
+            await _check_whole(be, path, loc.dio, pool, rec, read)
+        elif read.whole:
             await _read_whole(be, path, loc.dio, pool, rec, read, dests)
         else:
             await _read_spans(be, path, loc.dio, pool, read, dests)
@@ -507,17 +527,6 @@ async def _hash_file(be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingP
     return str(hasher.hexdigest())
 
 
-def _spans_by_file(manifest: Manifest) -> dict[str, list[tuple[int, int]]]:
-    """The byte ranges the manifest places in each file, sorted."""
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for t in manifest.tensors.values():
-        spans.setdefault(t.file, []).append((t.begin, t.end))
-    for sl in manifest.sliced.values():
-        for p in sl.slices:
-            spans.setdefault(p.file, []).append((p.begin, p.end))
-    return {name: sorted(found) for name, found in spans.items()}
-
-
 @maps_os_errors("verify")
 async def verify(path: PathArg, *, backend: str = "auto") -> VerifyReport:
     """Check a checkpoint without building it: the manifest, every file's size and
@@ -537,25 +546,13 @@ async def verify(path: PathArg, *, backend: str = "auto") -> VerifyReport:
                     checked += (await _read_header(be, f, loc.sizes[f])).data_offset
                 where = loc.files[0] if loc.kind == "safetensors" else loc.directory
                 return VerifyReport(where, loc.kind, loc.files, checked)
-            spans = _spans_by_file(loc.manifest)
-            names = []
-            for name, rec in loc.manifest.files.items():
-                full = loc.path_of(rec)
-                actual = await _hash_file(be, full, loc.dio, pool, rec.nbytes)
-                if actual != rec.checksum:
-                    raise CheckpointCorruptError(
-                        f"{full}: checksum mismatch (stored {rec.checksum}, computed {actual})"
-                    )
-                if rec.data_offset is not None:
-                    # The file's own header must say what the manifest says, so that any
-                    # safetensors reader sees the same tensors.
-                    layout = await _read_header(be, full, rec.nbytes)
-                    found = sorted(
-                        (layout.data_offset + e.begin, layout.data_offset + e.end) for e in layout.entries
-                    )
-                    if layout.data_offset != rec.data_offset or found != spans.get(name, []):
-                        raise CheckpointCorruptError(f"{full}: its header does not match the manifest")
-                names.append(full)
-            return VerifyReport(loc.directory, "aiopersist", tuple(names), sum(loc.sizes.values()))
+            plan = plan_verify(loc.manifest)
+            prefault = _Prefaulter()
+            try:
+                await execute_read(be, loc, pool, prefault, plan)
+            finally:
+                prefault.close()
+            names = tuple(loc.path_of(loc.manifest.files[f.file]) for f in plan.files)
+            return VerifyReport(loc.directory, "aiopersist", names, sum(loc.sizes.values()))
     finally:
         pool.close()

@@ -10,7 +10,8 @@ Every load reads through one plan, of one of two kinds:
   every file that holds a byte of a needed tensor is read whole, so that the file's
   checksum covers it; files that hold only other ranks' tensors are not read at all.
 
-A plain safetensors file or Hugging Face directory (no manifest) is read as spans
+`verify` reads through a plan too (`plan_verify`): every file whole, checked, nothing
+kept. A plain safetensors file or Hugging Face directory (no manifest) is read as spans
 without checksums (`plan_safetensors`). The manifest was validated when it was parsed
 (every offset inside its file, every reference resolving); the plan adds the checks that
 need a rank's view: the rows it wants exist, and the spans of a whole file tile it.
@@ -75,6 +76,10 @@ class FileRead:
     whole: bool
     """Read every byte and check the file's checksum (the spans tile the file after its
     header); otherwise read just the spans."""
+    header: tuple[tuple[int, int], ...] | None = None
+    """A check-only read (`plan_verify`: no spans, nothing kept): the file is streamed
+    through the staging pool for its checksum, and its own safetensors header must place
+    exactly these byte ranges (sorted), as the manifest does. ``None``: not checked."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +205,29 @@ def _plan_whole(manifest: Manifest, needed: set[str], allow_pickle: bool) -> Rea
     ]
     pickle_file = manifest.pickle_file if allow_pickle else None
     return ReadPlan(tuple(targets), tuple(files), frozenset(needed), pickle_file)
+
+
+def plan_verify(manifest: Manifest) -> ReadPlan:
+    """Check every file of a checkpoint, keeping nothing: each is read whole for its
+    checksum (streamed, so memory stays within the staging pool), and a data file's
+    header must place the same byte ranges as the manifest, so that any safetensors reader
+    sees the tensors aiopersist does."""
+    placed: dict[str, list[tuple[int, int]]] = {name: [] for name in manifest.files}
+    for t in manifest.tensors.values():
+        placed[t.file].append((t.begin, t.end))
+    for sl in manifest.sliced.values():
+        for p in sl.slices:
+            placed[p.file].append((p.begin, p.end))
+    files = tuple(
+        FileRead(
+            name,
+            (),
+            whole=True,
+            header=tuple(sorted(placed[name])) if rec.data_offset is not None else None,
+        )
+        for name, rec in manifest.files.items()
+    )
+    return ReadPlan((), files, frozenset())
 
 
 def plan_safetensors(layouts: Iterable[tuple[str, FileLayout]]) -> ReadPlan:

@@ -79,6 +79,28 @@ async def test_flipped_manifest_byte(backend_name: str, tmp_path: Path) -> None:
     await _both_fail(ckpt, backend_name, r"aiopersist\.json: manifest checksum mismatch")
 
 
+async def test_a_header_that_disagrees_with_the_manifest_fails_verify(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """The file is intact (its checksum matches) but the manifest, resealed, cuts its data
+    differently from the file's own header: a safetensors reader would see other tensors
+    than aiopersist does, so verify refuses it."""
+    ckpt = await _checkpoint(tmp_path, backend_name)
+
+    def recut(doc: dict[str, Any]) -> None:
+        b = doc["tensors"]["model.b"]  # 256 float32s: cut in two with the same bytes
+        begin, end = b["offsets"]
+        w = doc["tensors"]["model.w"]
+        assert w["offsets"][1] == begin or w["offsets"][0] == end
+        doc["tensors"]["model.b"] = {**b, "offsets": [begin, begin + 512], "shape": [128]}
+        doc["tensors"]["model.c"] = {**b, "offsets": [begin + 512, end], "shape": [128]}
+        doc["skeleton"]["model"]["c"] = {"__tensor__": "model.c"}
+
+    _rewrite_manifest(ckpt, recut)
+    with pytest.raises(aiopersist.CheckpointCorruptError, match="its header does not match the manifest"):
+        await aiopersist.verify(ckpt, backend=backend_name)
+
+
 async def test_truncated_file(backend_name: str, tmp_path: Path) -> None:
     ckpt = await _checkpoint(tmp_path, backend_name)
     f = ckpt / "state.safetensors"

@@ -16,7 +16,7 @@ from aiopersist._manifest import (
     SliceRecord,
     TensorRecord,
 )
-from aiopersist._readplan import FileRead, Span, check_tiling, plan_read, plan_safetensors
+from aiopersist._readplan import FileRead, Span, check_tiling, plan_read, plan_safetensors, plan_verify
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -126,6 +126,30 @@ def test_the_pickle_file_is_read_only_when_allowed() -> None:
     assert plan_read(m, m.rank_state(0)).pickle_file is None
     assert plan_read(m, m.rank_state(0), allow_pickle=True).pickle_file == "pickled.bin"
     assert "pickled.bin" not in {f.file for f in plan_read(m, m.rank_state(0), allow_pickle=True).files}
+
+
+def test_verify_reads_every_file_whole_keeps_nothing_and_checks_each_header() -> None:
+    m = _v2()
+    m = Manifest(
+        {**m.files, "pickled.bin": FileRecord("pickled.bin", 10, "p")},
+        m.tensors,
+        m.skeleton,
+        version=2,
+        world_size=2,
+        sliced=m.sliced,
+        ranks=m.ranks,
+        pickle_file="pickled.bin",
+    )
+    plan = plan_verify(m)
+    assert (plan.targets, plan.needed, plan.pickle_file) == ((), frozenset(), None)
+    assert [f.file for f in plan.files] == list(m.files)  # every file, the other ranks' too
+    assert all(f.whole and not f.spans for f in plan.files)
+    header = {f.file: f.header for f in plan.files}
+    # Whole tensors and slices alike, sorted by offset; no header for the pickle file.
+    assert header["r0.safetensors"] == ((8, 24), (24, 40), (40, 72), (72, 104))
+    assert header["r1.safetensors"] == ((40, 72), (72, 104))
+    assert header["other.safetensors"] == ((8, 24),)
+    assert header["pickled.bin"] is None
 
 
 def test_plain_safetensors_files_are_read_by_their_headers_and_may_not_repeat_a_name() -> None:
