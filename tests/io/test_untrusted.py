@@ -23,7 +23,7 @@ import aiopersist
 from aiopersist import _commit
 from aiopersist._manifest import MAX_SIZE, parse_index
 from aiopersist._skeleton import MAX_CONTAINER_DEPTH, MAX_SKELETON_DEPTH
-from tests.test_corruption import _rewrite_manifest
+from tests.io.test_corruption import _rewrite_manifest
 
 pytestmark = pytest.mark.asyncio
 

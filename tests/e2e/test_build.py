@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import IS_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEADER = Path("/usr/include/liburing.h")
 
 

@@ -24,7 +24,7 @@ from accelerate.utils import ProjectConfiguration
 import aiopersist
 from aiopersist.integrations.accelerate import save_state, save_state_blocking
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "integrations" / "accelerate" / "cpu_2proc.yaml"
 
 BACKENDS = [

@@ -22,7 +22,7 @@ import pytest
 from aiopersist._bench.gpu import format_gpu, run_gpu, write_outputs
 from aiopersist._cli import main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _report_module() -> ModuleType:
@@ -50,7 +50,7 @@ def _junit(tmp_path: Path, cases: list[str]) -> Path:
             key = ""
         if key:
             counts[key] += 1
-        body.append(f'<testcase classname="tests.test_cuda" name="t{i}" time="0.1">{inner}</testcase>')
+        body.append(f'<testcase classname="tests.io.test_cuda" name="t{i}" time="0.1">{inner}</testcase>')
     xml = (
         f'<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" '
         f'errors="{counts["errors"]}" failures="{counts["failures"]}" skipped="{counts["skipped"]}" '

@@ -17,7 +17,7 @@ import pytest
 import aiopersist
 from tests.conftest import URING_OK
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = [
     "threads",
     pytest.param("io_uring", marks=pytest.mark.skipif(not URING_OK, reason="io_uring unavailable")),
@@ -147,7 +147,7 @@ def test_a_crash_under_the_trainer_exits_with_the_traceback(tmp_path: Path) -> N
         import transformers
         from pathlib import Path
         from aiopersist.integrations.transformers import AioPersistCallback
-        from tests.test_hf_trainer import _trainer
+        from tests.e2e.test_hf_trainer import _trainer
 
         class Boom(transformers.TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
@@ -207,7 +207,7 @@ def test_the_next_trainer_run_removes_what_an_abandoned_save_left(tmp_path: Path
     the next run with the callback removes it, and nothing else."""
     pytest.importorskip("transformers")
     from aiopersist.integrations.transformers import AioPersistCallback
-    from tests.test_hf_trainer import _trainer
+    from tests.e2e.test_hf_trainer import _trainer
 
     out = tmp_path / "run"
     (out / ".checkpoint-2.aiopersist-tmp-0123456789ab").mkdir(parents=True)

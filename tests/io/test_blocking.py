@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import aiopersist
-from tests.test_checkpointer import _state
+from tests.io.test_checkpointer import _state
 
 
 def test_blocking_facade_from_a_plain_thread(tmp_path: Path) -> None:

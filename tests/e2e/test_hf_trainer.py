@@ -515,7 +515,7 @@ def test_callback_refuses_a_trainer_with_its_own_checkpoint_save(tmp_path: Path)
 _TRAIN = """
 import sys
 sys.path.insert(0, {root!r})
-from tests.test_hf_trainer import AioPersistCallback, _trainer
+from tests.e2e.test_hf_trainer import AioPersistCallback, _trainer
 from pathlib import Path
 _trainer(Path({out!r}), [AioPersistCallback()], max_steps=10_000, save_steps=1).train()
 """
@@ -529,7 +529,7 @@ def test_kill_9_mid_save_resumes_from_the_previous_complete_checkpoint(tmp_path:
     import time
 
     out = tmp_path / "run"
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     proc = subprocess.Popen([sys.executable, "-c", _TRAIN.format(root=root, out=str(out))], cwd=root)
     killed_mid_save = False
     try:
@@ -570,7 +570,7 @@ def _torchrun(out: Path, mode: str, backend: str) -> list[dict[str, Any]]:
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(port), "-m", "tests._hf_ddp_worker", str(out), mode, backend,
         ],
-        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300, check=False,
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = sorted(out.glob(f"{mode}-[0-9]*.json"))

@@ -24,7 +24,7 @@ BACKENDS = [
     "threads",
     pytest.param("io_uring", marks=pytest.mark.skipif(not URING_OK, reason="io_uring unavailable")),
 ]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def state_of(step: int) -> dict[str, object]:

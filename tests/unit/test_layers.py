@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "aiopersist"
+ROOT = Path(__file__).resolve().parents[2] / "aiopersist"
 
 LAYERS: dict[str, tuple[str, ...]] = {
     # 0. Shared by all: errors, knobs, on-disk names, thread pools.
