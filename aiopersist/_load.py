@@ -439,6 +439,12 @@ async def load(
     Only the files that hold what that rank needs are read.
     """
     loc = await asyncio.to_thread(locate, path)
+    if loc.manifest is not None and loc.manifest.layout == "dcp":
+        raise UnsupportedStateError(
+            f"{loc.directory} is a torch.distributed.checkpoint directory (written through "
+            "aiopersist.integrations.dcp): load it with torch.distributed.checkpoint.load(state_dict, "
+            "storage_reader=AiopersistReader(path)); aiopersist.verify checks it"
+        )
     pool = StagingPool()
     prefault = _Prefaulter()
     try:

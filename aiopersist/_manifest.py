@@ -97,6 +97,17 @@ class SlicedRecord:
 
 
 @dataclass(frozen=True)
+class EntryRecord:
+    """Bytes ``[begin, end)`` of a file that is not a safetensors file (a
+    ``torch.distributed.checkpoint`` data file), with a checksum of their own: a reader
+    that needs only some of a file's entries checks just those."""
+
+    begin: int
+    end: int
+    checksum: str
+
+
+@dataclass(frozen=True)
 class RankState:
     """What one rank saved beyond the shared tensors: its skeleton, aliases and views."""
 
@@ -126,6 +137,9 @@ class Manifest:
     ranks: dict[int, RankState] = field(default_factory=dict)
     """Ranks other than 0 whose skeleton, aliases or views differ from rank 0's (the
     top-level ones)."""
+    entries: dict[str, tuple[EntryRecord, ...]] = field(default_factory=dict)
+    """Checksummed byte ranges of files that are not safetensors files, by file (version 2;
+    the ``dcp`` layout: a ``torch.distributed.checkpoint`` directory), ordered by offset."""
 
     @property
     def token(self) -> str | None:
@@ -176,6 +190,11 @@ class Manifest:
                 }
                 for r, st in sorted(self.ranks.items())
             }
+            if self.entries:
+                doc["entries"] = {
+                    name: [[e.begin, e.end, e.checksum] for e in found]
+                    for name, found in self.entries.items()
+                }
         return doc
 
     def _v1_json(self) -> dict[str, Any]:
@@ -303,7 +322,9 @@ def _object_text(items: Iterable[tuple[str, str]]) -> str:
 MAX_SIZE = 1 << 62
 """Largest byte count, offset or dimension a manifest or header may state."""
 MAX_WORLD_SIZE = 1 << 20
-LAYOUTS = ("state", "hf-model")
+LAYOUTS = ("state", "hf-model", "dcp")
+"""``dcp``: a ``torch.distributed.checkpoint`` directory written through aiopersist
+(its files listed with checksums, no tensors of aiopersist's own)."""
 """The last component of a part directory: ``part-<token>``, the token of the save."""
 
 
@@ -706,6 +727,7 @@ def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
     layout = doc.get("layout", "state")
     if layout not in LAYOUTS:
         raise CheckpointCorruptError(f"{where}: layout {_short(layout)} is not one of {', '.join(LAYOUTS)}")
+    entries = _entries(doc, files, where) if version >= 2 and "entries" in doc else {}
     return Manifest(
         files=files,
         tensors=tensors,
@@ -721,7 +743,37 @@ def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
         sliced=sliced,
         directories=directories,
         ranks=ranks,
+        entries=entries,
     )
+
+
+def _entries(
+    doc: dict[str, Any], files: Mapping[str, FileRecord], where: str
+) -> dict[str, tuple[EntryRecord, ...]]:
+    """``entries``: for listed files without a safetensors header, byte ranges inside the
+    file, in order, not overlapping, each with a checksum."""
+    out: dict[str, tuple[EntryRecord, ...]] = {}
+    for name, spec in _object(doc["entries"], "entries", where).items():
+        what = f"entries[{name!r}]"
+        rec = files.get(name)
+        if rec is None or rec.data_offset is not None:
+            raise CheckpointCorruptError(f"{where}: {what}: not a listed file without tensors")
+        found = []
+        pos = 0
+        for i, item in enumerate(_list(spec, what, where)):
+            triple = _list(item, f"{what}[{i}]", where)
+            if len(triple) != 3:
+                raise CheckpointCorruptError(f"{where}: {what}[{i}]: not [begin, end, checksum]")
+            begin = _int(triple[0], f"{what}[{i}] begin", where, limit=rec.nbytes)
+            end = _int(triple[1], f"{what}[{i}] end", where, limit=rec.nbytes)
+            if begin < pos or end < begin:
+                raise CheckpointCorruptError(
+                    f"{where}: {what}[{i}]: bytes {begin}..{end} overlap the entry before or run backwards"
+                )
+            found.append(EntryRecord(begin, end, _str(triple[2], f"{what}[{i}] checksum", where)))
+            pos = end
+        out[name] = tuple(found)
+    return out
 
 
 def parse_index(raw: bytes, where: str) -> list[str]:

@@ -369,6 +369,27 @@ def _row(
     }
 
 
+def _dcp_rows(target: str) -> list[dict[str, Any]]:
+    """The tensors of a torch.distributed.checkpoint directory written through aiopersist,
+    from DCP's ``.metadata`` (checked against the manifest, read by the reader's restricted
+    unpickler): each whole tensor, with the number of chunks it was saved in."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..integrations.dcp import AiopersistReader
+
+    metadata = AiopersistReader(target).read_metadata()
+    rows = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            chunks = len(md.chunks)
+            rows.append(
+                _row(
+                    fqn, md.properties.dtype, tuple(md.size), f"{chunks} chunk{'s' * (chunks != 1)}", "stored"
+                )
+            )
+    return rows
+
+
 def _document(target: str, kind: str, **fields: Any) -> dict[str, Any]:
     tensors = fields["tensors"]
     count = {k: sum(1 for t in tensors if t["kind"] == k) for k in ("stored", "alias", "view", "storage")}
@@ -455,6 +476,8 @@ def _describe_manifest(target: str, m: Manifest, places: Sequence[str]) -> dict[
         emit(name, numpy)
     for name in [*m.tensors, *m.sliced, *m.aliases, *m.views]:
         emit(name)
+    if m.layout == "dcp":
+        rows = _dcp_rows(target)
     return _document(
         target,
         "aiopersist",

@@ -36,7 +36,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(scenario: str, base: Path, backend: str, world: int = 2, **env: str) -> list[dict[str, Any]]:
+def run_ranks(
+    scenario: str, base: Path, backend: str, world: int = 2, worker: str = "tests._dist_worker", **env: str
+) -> list[dict[str, Any]]:
     port = str(_free_port())
     environ = {**os.environ, **env}
     procs = [
@@ -44,7 +46,7 @@ def run_ranks(scenario: str, base: Path, backend: str, world: int = 2, **env: st
             [
                 sys.executable,
                 "-m",
-                "tests._dist_worker",
+                worker,
                 scenario,
                 str(r),
                 str(world),

@@ -1,0 +1,652 @@
+"""``torch.distributed.checkpoint`` (DCP) on aiopersist's engine.
+
+`AiopersistWriter` is a DCP ``StorageWriter`` and `AiopersistReader` a ``StorageReader``:
+``dcp.save``, ``dcp.async_save`` and ``dcp.load`` run through them unchanged otherwise, so
+DCP's planners (replica de-duplication, resharding on load, ``get_state_dict`` and
+``set_state_dict``) keep working::
+
+    import torch.distributed.checkpoint as dcp
+    from aiopersist.integrations.dcp import AiopersistReader, AiopersistWriter
+
+    dcp.save(state_dict, checkpoint_id=path, storage_writer=AiopersistWriter())
+    dcp.load(state_dict, checkpoint_id=path, storage_reader=AiopersistReader())
+
+What the writer adds to DCP's own ``FileSystemWriter``:
+
+- every rank's data file is written through the engine (io_uring, ``O_DIRECT``, aligned
+  staging buffers, GPU tensors copied out through pinned buffers), checksummed as it is
+  written, and fsynced;
+- the directory appears whole or not at all: the ranks write into a temporary directory
+  beside it, and the coordinator publishes it with one atomic rename once every file,
+  the DCP metadata and aiopersist's manifest are durable (DCP renames only ``.metadata``);
+- an existing checkpoint is refused unless ``overwrite=True``, which replaces it
+  atomically;
+- ``aiopersist.json`` lists every file with its checksum, and every entry of a data file
+  with a checksum of its own: ``aiopersist verify`` checks the directory, and the reader
+  checks each entry it reads.
+
+The files are DCP's own format: ``.metadata`` (the pickled DCP ``Metadata``) and
+``__<rank>_0.distcp`` data files whose entries are ``torch.save`` archives (tensors) or
+DCP's serialized bytes (other values). Stock ``dcp.load`` with ``FileSystemReader``
+reads them; `AiopersistReader` also reads directories written by ``FileSystemWriter``
+(without checksums to check: they have none).
+
+The reader never unpickles more than DCP's metadata classes from ``.metadata`` (a
+restricted unpickler), and loads tensor entries with ``weights_only=True``. Values that
+are not tensors are deserialized by DCP's planner, as stock ``dcp.load`` does
+(``torch.load`` with ``weights_only=False``): load those only from checkpoints you trust.
+
+Limits: one directory (no spreading over several disks yet); DCP's experimental
+``use_collectives=False`` mode is refused; a save that fails leaves the temporary
+directory ``.<name>.aiopersist-tmp-<token>`` beside the checkpoint (a `CheckpointManager`
+and ``aiopersist gc --leftovers`` remove such leftovers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import datetime
+import io
+import os
+import pickle
+import struct
+import uuid
+import zipfile
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar, cast
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from .._backends import open_backend
+from .._commit import make_temp, publish, remove_path
+from .._direct import probe_directory, probe_file_for_read
+from .._exceptions import CheckpointCorruptError, CheckpointNotFoundError
+from .._locate import locate
+from .._manifest import EntryRecord, FileRecord, Manifest, dump_manifest, new_hasher
+from .._names import MANIFEST_NAME, temp_path
+from .._save import write_file
+from .._staging import StagingPool
+from .._stream import PartHasher, read_segments, run_all
+from .._workers import DaemonThreadPool
+
+__all__ = ["AiopersistReader", "AiopersistWriter"]
+
+from torch.distributed.checkpoint import filesystem as _dcp_filesystem
+
+_DCP_VERSION: str | None = getattr(_dcp_filesystem, "CURRENT_DCP_VERSION", None)
+"""What DCP's own writer stamps on its metadata (never checked on load)."""
+
+METADATA_FILE = ".metadata"
+"""DCP's metadata file: the name its ``FileSystemReader`` looks for."""
+
+T = TypeVar("T")
+
+_ENGINE = DaemonThreadPool(8, thread_name_prefix="aiopersist-dcp")
+"""Threads that run the engine's event loops for DCP's synchronous calls (daemon threads:
+a crashed job is never held open by one)."""
+
+
+def _on_engine(make: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+    """Run ``make()`` on an event loop of its own in an engine thread (DCP calls the
+    storage layer from plain threads, and from a thread with a running loop too)."""
+    return _ENGINE.submit(lambda: asyncio.run(make()))
+
+
+def _as_torch_future(cf: concurrent.futures.Future[T]) -> Future[T]:
+    fut: Future[T] = Future()
+
+    def done(f: concurrent.futures.Future[T]) -> None:
+        exc = f.exception()
+        if exc is not None:
+            fut.set_exception(cast(Any, exc))
+        else:
+            fut.set_result(f.result())
+
+    cf.add_done_callback(done)
+    return fut
+
+
+# -- torch.save archives around raw tensor bytes ---------------------------------------------
+
+_ARCHIVES: dict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, bytes]] = {}
+_ARCHIVES_KEPT = 4096
+
+
+def _archive_around(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes]:
+    """The bytes of ``torch.save`` of a contiguous CPU tensor of this dtype and shape that
+    come before its data, and those after: written around the tensor's own bytes, they
+    make the archive ``torch.save`` writes (``torch.load`` reads it; only the zip CRC of
+    the data record is left 0, which ``torch.load`` does not check). The tensor's bytes go
+    from its memory (or its GPU) through the engine, never through a Python copy."""
+    key = (dtype, shape)
+    found = _ARCHIVES.get(key)
+    if found is not None:
+        return found
+    proto = torch.empty(shape, dtype=dtype)  # never touched: its pages are never faulted in
+    nbytes = proto.numel() * proto.element_size()
+    buf = io.BytesIO()
+    if nbytes == 0:  # nothing to put around: the archive itself
+        torch.save(proto, buf)
+        return buf.getvalue(), b""
+    with torch.serialization.skip_data():
+        torch.save(proto, buf)
+    raw = buf.getvalue()
+    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        records = [i for i in zf.infolist() if i.filename.endswith("/data/0")]
+    if len(records) != 1 or records[0].file_size != nbytes:
+        raise RuntimeError(f"unexpected torch.save archive layout for {dtype} {list(shape)}")
+    header = records[0].header_offset
+    name_len, extra_len = struct.unpack_from("<HH", raw, header + 26)
+    start = header + 30 + name_len + extra_len
+    parts = (raw[:start], raw[start + nbytes :])
+    if len(_ARCHIVES) >= _ARCHIVES_KEPT:
+        _ARCHIVES.pop(next(iter(_ARCHIVES)))
+    _ARCHIVES[key] = parts
+    return parts
+
+
+# -- the writer ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prefix:
+    """A rank's part of the global plan: its files' prefix and the save's token (its
+    temporary directory)."""
+
+    prefix: str
+    token: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    """A write result on its way to the coordinator: DCP's storage record, the entry's own
+    checksum, and the record of the file that holds it."""
+
+    info: _StorageInfo
+    checksum: str
+    file: FileRecord
+
+
+class AiopersistWriter(StorageWriter):
+    """A DCP ``StorageWriter`` on aiopersist's engine; see the module docstring.
+
+    ``path`` is the checkpoint directory (or pass ``checkpoint_id`` to ``dcp.save``).
+    ``overwrite=False`` refuses an existing one with
+    [`CheckpointExistsError`][aiopersist.CheckpointExistsError] (DCP wraps it in its
+    ``CheckpointException``); ``overwrite=True`` replaces it atomically once the new one
+    is durable. ``backend`` as for `aiopersist.save`.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, *, overwrite: bool = False, backend: str = "auto"
+    ) -> None:
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path)) if path is not None else None
+        self.overwrite = overwrite
+        self.backend = backend
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self.rank = 0
+        self._token: str | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        self.save_id = uuid.uuid4().hex
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self._path(), save_id=self.save_id)
+
+    def _path(self) -> str:
+        if self.path is None:
+            raise ValueError(
+                "AiopersistWriter: no checkpoint directory (pass path, or checkpoint_id to dcp.save)"
+            )
+        return self.path
+
+    def set_up_storage_writer(self, is_coordinator: bool, **kwargs: Any) -> None:
+        if not kwargs.get("use_collectives", True):
+            raise ValueError(
+                "AiopersistWriter needs DCP's collectives (use_collectives=True): the coordinator "
+                "publishes the whole directory at once"
+            )
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On the coordinator: claim the temporary directory (refusing an existing
+        checkpoint unless ``overwrite``) and hand every rank its prefix and the token."""
+        token = uuid.uuid4().hex[:12]
+        make_temp(self._path(), self.overwrite, token)
+        self._token = token
+        return [
+            dataclasses.replace(plan, storage_data=_Prefix(f"__{i}_", token)) for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        where: _Prefix = plan.storage_data
+        if not isinstance(where, _Prefix):
+            raise ValueError(
+                "AiopersistWriter.write_data: the plan did not come through its prepare_global_plan"
+            )
+        tmp = temp_path(self._path(), where.token)
+        name = f"{where.prefix}0.distcp"
+        # BYTE_IO values first, then tensors, as FileSystemWriter orders them.
+        items = sorted(plan.items, key=lambda it: it.type != WriteItemType.BYTE_IO)
+        pieces = [_pieces(item, planner) for item in items]
+        backend = self.backend
+        return _as_torch_future(_on_engine(lambda: _write_rank_file(backend, tmp, name, items, pieces)))
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """On the coordinator: DCP's ``.metadata`` and aiopersist's manifest into the
+        temporary directory, then the directory published under the checkpoint's name."""
+        final = self._path()
+        storage: dict[MetadataIndex, _StorageInfo] = {}
+        files: dict[str, FileRecord] = {}
+        entries: dict[str, list[EntryRecord]] = {}
+        for per_rank in results:
+            for wr in per_rank:
+                w = wr.storage_data
+                if not isinstance(w, _Written):
+                    raise ValueError(
+                        "AiopersistWriter.finish: a write result did not come from its write_data"
+                    )
+                storage[wr.index] = w.info
+                files[w.file.name] = w.file
+                entries.setdefault(w.file.name, []).append(
+                    EntryRecord(w.info.offset, w.info.offset + w.info.length, w.checksum)
+                )
+        metadata.storage_data = storage
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = _DCP_VERSION or metadata.version
+        if self._token is None:
+            raise ValueError(
+                "AiopersistWriter.finish: no save in progress (prepare_global_plan did not run here)"
+            )
+        tmp = temp_path(final, self._token)
+        self._token = None
+        try:
+            manifest = Manifest(
+                files=files,
+                tensors={},
+                skeleton={},
+                layout="dcp",
+                world_size=len(results),
+                version=2,
+                created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                entries={n: tuple(sorted(e, key=lambda x: x.begin)) for n, e in entries.items()},
+            )
+            raw = pickle.dumps(metadata)
+            backend = self.backend
+            _on_engine(lambda: _write_metadata_and_manifest(backend, tmp, raw, manifest)).result()
+            publish(tmp, final, self.overwrite)
+        except BaseException:
+            remove_path(tmp)
+            raise
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, str | os.PathLike)
+
+
+def _nbytes(piece: bytes | torch.Tensor) -> int:
+    return piece.numel() * piece.element_size() if isinstance(piece, torch.Tensor) else len(piece)
+
+
+def _pieces(item: WriteItem, planner: SavePlanner) -> list[bytes | torch.Tensor]:
+    """What one entry of a data file is made of: DCP's bytes for a value that is not a
+    tensor; for a tensor, ``torch.save``'s archive around the tensor's own bytes (read
+    from the live tensor, on the CPU or the GPU, when the file is written)."""
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        if not isinstance(data, io.BytesIO):
+            raise TypeError(f"{item.index.fqn}: the planner resolved a bytes entry to {type(data).__name__}")
+        return [bytes(data.getbuffer())]
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"{item.index.fqn}: the planner resolved a tensor entry to {type(data).__name__}")
+    t = data.detach()
+    if t.is_nested or t.layout != torch.strided:
+        raise TypeError(f"{item.index.fqn}: {t.layout} tensors cannot be written")
+    head, tail = _archive_around(t.dtype, tuple(t.shape))
+    return [head, t, tail] if t.numel() else [head + tail]
+
+
+async def _write_rank_file(
+    backend: str,
+    tmp: str,
+    name: str,
+    items: Sequence[WriteItem],
+    pieces: Sequence[list[bytes | torch.Tensor]],
+) -> list[WriteResult]:
+    """One rank's data file: every entry in order, checksummed as a whole and entry by
+    entry, fsynced."""
+    if not items:
+        return []
+    lengths = [sum(_nbytes(p) for p in ps) for ps in pieces]
+    hasher = PartHasher(new_hasher(), lengths, new_hasher)
+    dio = await asyncio.to_thread(probe_directory, tmp)
+    pool = StagingPool()
+    try:
+        async with open_backend(backend) as be:
+            rec = await write_file(
+                be, os.path.join(tmp, name), dio, pool, [p for ps in pieces for p in ps], hasher=hasher
+            )
+    finally:
+        pool.close()
+    results = []
+    offset = 0
+    for item, n, digest in zip(items, lengths, hasher.part_digests(), strict=True):
+        info = _StorageInfo(name, offset, n)
+        results.append(
+            WriteResult(index=item.index, size_in_bytes=n, storage_data=_Written(info, digest, rec))
+        )
+        offset += n
+    return results
+
+
+async def _write_metadata_and_manifest(backend: str, tmp: str, raw: bytes, manifest: Manifest) -> None:
+    dio = await asyncio.to_thread(probe_directory, tmp)
+    pool = StagingPool()
+    try:
+        async with open_backend(backend) as be:
+            rec = await write_file(be, os.path.join(tmp, METADATA_FILE), dio, pool, [raw])
+            manifest = dataclasses.replace(manifest, files={**manifest.files, METADATA_FILE: rec})
+            data = await asyncio.to_thread(dump_manifest, manifest)
+            await write_file(be, os.path.join(tmp, MANIFEST_NAME), dio, pool, [data])
+    finally:
+        pool.close()
+
+
+# -- the reader ---------------------------------------------------------------------------------
+
+_METADATA_CLASSES = frozenset(
+    {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    }
+)
+_PATHS = frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"})
+MAX_METADATA_BYTES = 1 << 30
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``Metadata`` and nothing else: only its own classes, dtypes,
+    ``torch.Size``, layouts and paths can be named, so a hostile ``.metadata`` cannot
+    make the load call anything."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            (module == "torch.distributed.checkpoint.metadata" and name in _METADATA_CLASSES)
+            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
+            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "pathlib" and name in _PATHS)
+            or (module == "collections" and name == "OrderedDict")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+        return super().find_class(module, name)
+
+
+def _read_small(path: str, limit: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CheckpointCorruptError(
+                f"{path}: {size} bytes, more than the {limit} a DCP .metadata may have"
+            )
+        chunks = []
+        while size > 0:
+            chunk = os.read(fd, size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class AiopersistReader(StorageReader):
+    """A DCP ``StorageReader`` on aiopersist's engine; see the module docstring.
+
+    Reads directories written by `AiopersistWriter` (every ``.metadata`` and entry read
+    is checked against the checksums of ``aiopersist.json`` first) and by DCP's own
+    ``FileSystemWriter`` (no checksums to check). ``path`` is the checkpoint directory
+    (or pass ``checkpoint_id`` to ``dcp.load``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, backend: str = "auto") -> None:
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path)) if path is not None else None
+        self.backend = backend
+        self.load_id = uuid.uuid4().hex
+        self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self._sizes: dict[str, int] = {}
+        self._entries: dict[tuple[str, int, int], str] = {}
+        """(file, begin, end) -> the entry's checksum, from the manifest (none for DCP's own
+        directories)."""
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        self.load_id = uuid.uuid4().hex
+        self.storage_data = {}
+
+    def _path(self) -> str:
+        if self.path is None:
+            raise ValueError(
+                "AiopersistReader: no checkpoint directory (pass path, or checkpoint_id to dcp.load)"
+            )
+        return self.path
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's ``Metadata``, checked: against the manifest's checksum when there is one,
+        through a restricted unpickler always, and every storage record it gives (a plain
+        file in the directory, bytes inside it; with a manifest, exactly one checksummed
+        entry) before anything is read from the data files."""
+        root = self._path()
+        meta_path = os.path.join(root, METADATA_FILE)
+        self._sizes, self._entries = {}, {}
+        manifest: Manifest | None = None
+        if os.path.lexists(os.path.join(root, MANIFEST_NAME)):
+            loc = locate(root)
+            manifest = loc.manifest
+            if manifest is None or manifest.layout != "dcp":
+                raise CheckpointCorruptError(
+                    f"{root}: an aiopersist checkpoint, not a torch.distributed.checkpoint directory "
+                    "(load it with aiopersist.load)"
+                )
+            self._sizes = {n: r.nbytes for n, r in manifest.files.items()}
+            self._entries = {
+                (n, e.begin, e.end): e.checksum for n, found in manifest.entries.items() for e in found
+            }
+        elif not os.path.lexists(meta_path):
+            raise CheckpointNotFoundError(
+                f"{root}: no torch.distributed.checkpoint here (no {METADATA_FILE})"
+            )
+        raw = _read_small(meta_path, MAX_METADATA_BYTES)
+        if manifest is not None:
+            rec = manifest.files.get(METADATA_FILE)
+            if rec is None:
+                raise CheckpointCorruptError(f"{root}: the manifest does not list {METADATA_FILE}")
+            actual = new_hasher()
+            actual.update(raw)
+            if len(raw) != rec.nbytes or actual.hexdigest() != rec.checksum:
+                raise CheckpointCorruptError(f"{meta_path}: checksum mismatch (damaged since it was written)")
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+        except Exception as exc:
+            raise CheckpointCorruptError(
+                f"{meta_path}: not DCP metadata ({type(exc).__name__}: {exc})"
+            ) from exc
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+            raise CheckpointCorruptError(f"{meta_path}: not DCP metadata with storage records")
+        for index, info in metadata.storage_data.items():
+            self._check_record(root, index, info)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _check_record(self, root: str, index: object, info: object) -> None:
+        from .._manifest import safe_file_name
+
+        where = f"{root}/{METADATA_FILE}: {index}"
+        if not isinstance(info, _StorageInfo):
+            raise CheckpointCorruptError(f"{where}: not a storage record")
+        name = safe_file_name(info.relative_path, where)
+        if info.transform_descriptors:
+            raise CheckpointCorruptError(
+                f"{where}: stored with transforms {list(info.transform_descriptors)}, which AiopersistReader "
+                "does not apply (read it with DCP's FileSystemReader)"
+            )
+        for value in (info.offset, info.length):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CheckpointCorruptError(f"{where}: offset and length must be non-negative ints")
+        if self._entries:
+            if (name, info.offset, info.offset + info.length) not in self._entries:
+                raise CheckpointCorruptError(
+                    f"{where}: bytes {info.offset}+{info.length} of {name} are no checked entry"
+                )
+        elif name not in self._sizes:
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"{where}: {name} is missing") from None
+            if not os.path.isfile(path) or os.path.islink(path):
+                raise CheckpointCorruptError(f"{where}: {name} is not a plain file")
+            self._sizes[name] = st.st_size
+        if info.offset + info.length > self._sizes[name]:
+            raise CheckpointCorruptError(
+                f"{where}: bytes {info.offset}+{info.length} run past the end of {name}"
+            )
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CheckpointCorruptError(f"{self._path()}: DCP metadata without storage records")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every entry the plan needs (each once, however many items use it) through
+        the engine, check each against its checksum, then hand them to the planner."""
+        root = self._path()
+        wanted: dict[tuple[str, int, int], torch.Tensor] = {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            key = (info.relative_path, info.offset, info.offset + info.length)
+            if key not in wanted:
+                wanted[key] = torch.empty(info.length, dtype=torch.uint8)
+        backend = self.backend
+        _on_engine(lambda: _read_entries(backend, root, wanted)).result()
+        for (name, begin, end), blob in wanted.items():
+            stated = self._entries.get((name, begin, end))
+            if stated is None:
+                continue
+            hasher = new_hasher()
+            hasher.update(cast(Any, blob.numpy()))
+            if hasher.hexdigest() != stated:
+                raise CheckpointCorruptError(
+                    f"{os.path.join(root, name)}: checksum mismatch in bytes {begin}..{end} "
+                    "(damaged since it was written)"
+                )
+        loaded: dict[tuple[str, int, int], torch.Tensor] = {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            key = (info.relative_path, info.offset, info.offset + info.length)
+            blob = wanted[key]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(blob.numpy().tobytes()))
+                continue
+            if key not in loaded:
+                loaded[key] = _load_tensor(blob, f"{os.path.join(root, key[0])} bytes {key[1]}..{key[2]}")
+            _copy_into(req, planner, loaded[key])
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, str | os.PathLike)
+
+
+def _load_tensor(blob: torch.Tensor, where: str) -> torch.Tensor:
+    try:
+        t = torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointCorruptError(f"{where}: not a tensor archive ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointCorruptError(f"{where}: holds a {type(t).__name__}, not a tensor")
+    return t
+
+
+def _copy_into(req: ReadItem, planner: LoadPlanner, stored: torch.Tensor) -> None:
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    if len(req.storage_offsets) != stored.dim() or any(
+        o + n > s for o, n, s in zip(req.storage_offsets, req.lengths, stored.shape, strict=True)
+    ):
+        raise CheckpointCorruptError(
+            f"{req.storage_index.fqn}: the stored chunk {list(stored.shape)} does not hold rows "
+            f"{list(req.storage_offsets)}+{list(req.lengths)}"
+        )
+    part = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != part.size():
+        raise CheckpointCorruptError(
+            f"{req.storage_index.fqn}: the stored chunk has shape {list(part.shape)}, "
+            f"the target {list(target.shape)}"
+        )
+    target.copy_(part)
+    planner.commit_tensor(req, target)
+
+
+async def _read_entries(backend: str, root: str, wanted: dict[tuple[str, int, int], torch.Tensor]) -> None:
+    by_file: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for (name, begin, _), dest in wanted.items():
+        by_file.setdefault(name, []).append((begin, dest))
+    pool = StagingPool()
+    try:
+        async with open_backend(backend) as be:
+
+            async def one(name: str, segments: list[tuple[int, torch.Tensor]]) -> None:
+                path = os.path.join(root, name)
+                dio = await asyncio.to_thread(probe_file_for_read, path)
+                await read_segments(be, path, dio, pool, segments)
+
+            await run_all(one(n, segs) for n, segs in by_file.items())
+    finally:
+        pool.close()

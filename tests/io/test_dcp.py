@@ -1,0 +1,246 @@
+"""torch.distributed.checkpoint through aiopersist's writer and reader in one process, on
+both backends: what it writes is DCP's format (DCP's own reader reads it, and aiopersist's
+reads DCP's own), checksummed and published whole; damaged and hostile directories are
+refused with a typed error before anything is acted on."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+import aiopersist
+from aiopersist.integrations.dcp import AiopersistReader, AiopersistWriter
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(64, 48, generator=g)
+    return {
+        "model": {
+            "w": torch.randn(300, 200, generator=g),
+            "bf": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+            "t": base.t(),  # not contiguous: written in row-major order, as DCP would
+            "view": base[3:9],  # a view into a bigger storage: only its own bytes
+            "empty": torch.empty(0, 5),
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "i": torch.arange(17, dtype=torch.int32),
+        },
+        "step": 42,
+        "extra": {"lr": [1e-3, 3e-4], "name": "run"},
+    }
+
+
+def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": {
+            k: torch.zeros_like(v) if v.dim() else torch.tensor(0.0, dtype=v.dtype)
+            for k, v in state["model"].items()
+        },
+        "step": 0,
+        "extra": {"lr": [], "name": ""},
+    }
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    ma, mb = a["model"], b["model"]
+    tensors = all(ma[k].dtype == mb[k].dtype and torch.equal(ma[k], mb[k]) for k in ma)
+    return tensors and a["step"] == b["step"] and a["extra"] == b["extra"]
+
+
+def _load(path: Path, reader: Any) -> dict[str, Any]:
+    target = _zeros_like(_state())
+    dcp.load(target, checkpoint_id=str(path), storage_reader=reader)
+    return target
+
+
+def _refused(fn: Any, match: str) -> str:
+    """DCP wraps a rank's error in its CheckpointException (a BaseException): the message
+    must name what was wrong."""
+    with pytest.raises(BaseException) as info:  # noqa: PT011 - DCP's wrapper, checked below
+        fn()
+    text = str(info.value)
+    assert match in text, text
+    return text
+
+
+def test_a_round_trip_through_the_writer_and_both_readers(backend_name: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    state = _state()
+    dcp.save(state, checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
+    assert sorted(os.listdir(ck)) == [".metadata", "__0_0.distcp", "aiopersist.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # nothing beside it
+    assert _same(_load(ck, AiopersistReader(backend=backend_name)), state)
+    assert _same(_load(ck, FileSystemReader(str(ck))), state)  # no lock-in: DCP's own reader
+    report = asyncio.run(aiopersist.verify(ck, backend=backend_name))
+    assert sorted(Path(f).name for f in report.files) == [".metadata", "__0_0.distcp"]
+    doc = json.loads((ck / "aiopersist.json").read_text())
+    assert doc["layout"] == "dcp"
+    # One checksummed entry per value written, tiling nothing but what DCP points at.
+    assert len(doc["entries"]["__0_0.distcp"]) == 10
+    # inspect lists the tensors from DCP's metadata.
+    from aiopersist._cli.main import describe
+
+    rows = {t["name"]: t for t in describe(ck)["tensors"]}
+    assert sorted(rows) == sorted(f"model.{k}" for k in state["model"])
+    assert rows["model.w"]["shape"] == [300, 200]
+    assert rows["model.bf"]["dtype"] == "BF16"
+
+
+def test_dcps_own_directory_is_read_through_the_engine(backend_name: str, tmp_path: Path) -> None:
+    ck = tmp_path / "stock"
+    state = _state(1)
+    dcp.save(state, checkpoint_id=str(ck), storage_writer=FileSystemWriter(str(ck)))
+    assert _same(_load(ck, AiopersistReader(backend=backend_name)), state)
+
+
+def test_an_existing_checkpoint_is_kept_unless_overwrite(backend_name: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    dcp.save(_state(0), checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
+    _refused(
+        lambda: dcp.save(
+            _state(1), checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name)
+        ),
+        "already exists",
+    )
+    assert _same(_load(ck, AiopersistReader()), _state(0))
+    dcp.save(
+        _state(1),
+        checkpoint_id=str(ck),
+        storage_writer=AiopersistWriter(overwrite=True, backend=backend_name),
+    )
+    assert _same(_load(ck, AiopersistReader()), _state(1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # the old one went, and no temp
+
+
+@pytest.mark.root
+def test_a_full_disk_fails_the_save_and_keeps_the_old_checkpoint(backend_name: str, small_fs: Path) -> None:
+    ck = small_fs / "ck"
+    small = {"model": {"w": torch.ones(100)}, "step": 1}
+    dcp.save(small, checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
+    big = {"model": {"w": torch.ones(2 << 20)}, "step": 2}  # 8 MiB on a 4 MiB file system
+    _refused(
+        lambda: dcp.save(
+            big, checkpoint_id=str(ck), storage_writer=AiopersistWriter(overwrite=True, backend=backend_name)
+        ),
+        "DiskFullError",
+    )
+    target = {"model": {"w": torch.zeros(100)}, "step": 0}
+    dcp.load(target, checkpoint_id=str(ck), storage_reader=AiopersistReader(backend=backend_name))
+    assert target["step"] == 1
+    assert torch.equal(target["model"]["w"], torch.ones(100))
+
+
+def test_a_damaged_entry_is_refused_by_the_reader_and_by_verify(backend_name: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    dcp.save(_state(), checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
+    data = ck / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10  # inside the big tensor's bytes
+    data.write_bytes(bytes(raw))
+    _refused(lambda: _load(ck, AiopersistReader(backend=backend_name)), "checksum mismatch")
+    with pytest.raises(aiopersist.CheckpointCorruptError, match="checksum mismatch"):
+        asyncio.run(aiopersist.verify(ck, backend=backend_name))
+
+
+def test_damaged_metadata_is_refused_before_it_is_unpickled(backend_name: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    dcp.save(_state(), checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
+    meta = ck / ".metadata"
+    raw = bytearray(meta.read_bytes())
+    raw[-3] ^= 0x01
+    meta.write_bytes(bytes(raw))
+    _refused(lambda: _load(ck, AiopersistReader(backend=backend_name)), "checksum mismatch")
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_metadata_cannot_run_anything(backend_name: str, tmp_path: Path) -> None:
+    """A DCP directory without aiopersist's manifest (DCP's own, or one forged) is read
+    through a restricted unpickler: a ``.metadata`` that names anything but DCP's classes
+    is refused, and nothing it names runs."""
+    ck = tmp_path / "stock"
+    dcp.save(_state(), checkpoint_id=str(ck), storage_writer=FileSystemWriter(str(ck)))
+    marker = tmp_path / "pwned"
+    (ck / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+    _refused(lambda: _load(ck, AiopersistReader(backend=backend_name)), "not part of DCP's metadata")
+    assert not marker.exists()
+
+
+def test_storage_records_that_point_outside_are_refused(backend_name: str, tmp_path: Path) -> None:
+    ck = tmp_path / "stock"
+    dcp.save(_state(), checkpoint_id=str(ck), storage_writer=FileSystemWriter(str(ck)))
+    with open(ck / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    (tmp_path / "outside.distcp").write_bytes(b"x" * 100)
+    for index, info in list(metadata.storage_data.items())[:1]:
+        metadata.storage_data[index] = type(info)("../outside.distcp", 0, 10)
+    (ck / ".metadata").write_bytes(pickle.dumps(metadata))
+    _refused(
+        lambda: _load(ck, AiopersistReader(backend=backend_name)), "would escape the checkpoint directory"
+    )
+    metadata.storage_data[index] = type(info)("__0_0.distcp", 0, 1 << 40)
+    (ck / ".metadata").write_bytes(pickle.dumps(metadata))
+    _refused(lambda: _load(ck, AiopersistReader(backend=backend_name)), "run past the end")
+
+
+def test_aiopersist_load_points_a_dcp_directory_to_dcp(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    dcp.save(_state(), checkpoint_id=str(ck), storage_writer=AiopersistWriter())
+    with pytest.raises(aiopersist.UnsupportedStateError, match=r"torch\.distributed\.checkpoint\.load"):
+        asyncio.run(aiopersist.load(ck))
+    # And the DCP reader does not take a plain aiopersist checkpoint for a DCP directory.
+    plain = tmp_path / "plain"
+    aiopersist.save_sync({"w": torch.ones(3)}, plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _refused(
+            lambda: dcp.load(
+                {"w": torch.zeros(3)}, checkpoint_id=str(plain), storage_reader=AiopersistReader()
+            ),
+            "not a torch.distributed.checkpoint directory",
+        )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_written_from_the_gpu(backend_name: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(3000, 1000, device="cuda", generator=g)
+    state = {"model": {"w": w, "t": w[:100].t()}, "step": 3}
+    dcp.save(state, checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
+    target = {"model": {"w": torch.zeros(3000, 1000), "t": torch.zeros(1000, 100)}, "step": 0}
+    dcp.load(target, checkpoint_id=str(ck), storage_reader=FileSystemReader(str(ck)))
+    assert torch.equal(target["model"]["w"], w.cpu())
+    assert torch.equal(target["model"]["t"], w[:100].t().cpu())
+
+
+def test_bytes_entries_are_dcps_own_bytes(tmp_path: Path) -> None:
+    """A value that is not a tensor is written as DCP's planner serialized it: stock
+    ``torch.load`` of the entry gives it back."""
+    ck = tmp_path / "ck"
+    dcp.save({"cfg": {"a": [1, 2]}}, checkpoint_id=str(ck), storage_writer=AiopersistWriter())
+    with open(ck / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    [info] = metadata.storage_data.values()
+    blob = (ck / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    assert torch.load(io.BytesIO(blob), weights_only=False) == [1, 2]
