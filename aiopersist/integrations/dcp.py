@@ -39,7 +39,8 @@ are not tensors are deserialized by DCP's planner, as stock ``dcp.load`` does
 Limits: one directory (no spreading over several disks yet); DCP's experimental
 ``use_collectives=False`` mode is refused; a save that fails leaves the temporary
 directory ``.<name>.aiopersist-tmp-<token>`` beside the checkpoint (a `CheckpointManager`
-and ``aiopersist gc --leftovers`` remove such leftovers).
+removes such leftovers when it starts, as does ``aiopersist gc DIR --keep-last N
+--leftovers --apply``).
 """
 
 from __future__ import annotations
