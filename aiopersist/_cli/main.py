@@ -196,6 +196,27 @@ def _bench_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_dcp(args: argparse.Namespace) -> int:
+    from .._bench.dcp import format_dcp, run_dcp
+
+    directory = os.path.abspath(args.dir)
+    os.makedirs(directory, exist_ok=True)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    try:
+        report = run_dcp(
+            directory,
+            size_bytes=int(args.size_gib * (1 << 30)),
+            ranks=args.ranks,
+            rounds=args.rounds,
+            methods=methods,
+        )
+    except ValueError as exc:
+        print(f"aiopersist bench dcp: {exc}", file=sys.stderr)
+        return 2
+    print(format_dcp(report))
+    return 0
+
+
 def _bench_modes(text: str, known: Sequence[str], bench: str) -> tuple[str, ...] | None:
     """``--modes`` of ``bench train`` and ``bench gpu``: comma-separated, among ``known``,
     with the ``none`` baseline; ``None`` (said on stderr) otherwise."""
@@ -942,6 +963,17 @@ def build_parser() -> argparse.ArgumentParser:
             )
             ck.add_argument("--dirs", type=int, default=1, help="directories (SSDs) the save is spread over")
         ck.set_defaults(func=_bench_ckpt)
+    dcpb = bench_sub.add_parser(
+        "dcp", help="torch.distributed.checkpoint.save on several ranks: FileSystemWriter, aiopersist, fio"
+    )
+    dcpb.add_argument("--dir", default="bench-data", help="scratch directory on the disk to measure")
+    dcpb.add_argument("--size-gib", type=float, default=2.0, help="state size over all ranks (default: 2)")
+    dcpb.add_argument("--ranks", type=int, default=2, help="ranks saving together, gloo (default: 2)")
+    dcpb.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+    dcpb.add_argument(
+        "--methods", default="fs-t1,fs-t2,fs-t4,aiopersist,fio", help="comma-separated subset of the methods"
+    )
+    dcpb.set_defaults(func=_bench_dcp)
     train = bench_sub.add_parser("train", help="a training loop checkpointing every step: overhead per mode")
     train.add_argument("--dir", default="bench-data", help="where the checkpoints go")
     train.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
