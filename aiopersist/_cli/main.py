@@ -233,9 +233,9 @@ def _bench_modes(text: str, known: Sequence[str], bench: str) -> tuple[str, ...]
 def _bench_train(args: argparse.Namespace) -> int:
     import torch
 
-    from .._bench.train import MODES, format_train, run_train
+    from .._bench.train import DCP_MODES, MODES, format_train, run_train
 
-    modes = _bench_modes(args.modes, MODES, "train")
+    modes = _bench_modes(args.modes, MODES + DCP_MODES, "train")
     if modes is None:
         return 2
     if args.torch_threads:
@@ -985,7 +985,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--modes",
         default="none,torch.save,fio,fence,snapshot",
-        help="comma-separated modes to interleave; 'none' is the baseline (default: all)",
+        help="comma-separated modes; 'none' is the baseline (default: all but dcp and dcp-aiopersist)",
     )
     train.set_defaults(func=_bench_train)
     gpu = bench_sub.add_parser(

@@ -36,6 +36,8 @@ restricted unpickler), and loads tensor entries with ``weights_only=True``. Valu
 are not tensors are deserialized by DCP's planner, as stock ``dcp.load`` does
 (``torch.load`` with ``weights_only=False``): load those only from checkpoints you trust.
 
+`FenceStager` makes ``dcp.async_save`` copy nothing (aiopersist's fence semantics).
+
 Limits: one directory (no spreading over several disks yet); DCP's experimental
 ``use_collectives=False`` mode is refused; a save that fails leaves the temporary
 directory ``.<name>.aiopersist-tmp-<token>`` beside the checkpoint (a `CheckpointManager`
@@ -53,6 +55,8 @@ import io
 import os
 import pickle
 import struct
+import threading
+import time
 import uuid
 import zipfile
 from collections.abc import Callable, Coroutine, Sequence
@@ -83,10 +87,10 @@ from .._manifest import EntryRecord, FileRecord, Manifest, dump_manifest, new_ha
 from .._names import MANIFEST_NAME, temp_path
 from .._save import write_file
 from .._staging import StagingPool
-from .._stream import PartHasher, read_segments, run_all
+from .._stream import PartHasher, read_segments, record_cuda_ready, run_all, use_cuda_ready
 from .._workers import DaemonThreadPool
 
-__all__ = ["AiopersistReader", "AiopersistWriter"]
+__all__ = ["AiopersistReader", "AiopersistWriter", "FenceStager"]
 
 from torch.distributed.checkpoint import filesystem as _dcp_filesystem
 
@@ -184,6 +188,102 @@ class _Written:
     file: FileRecord
 
 
+class _Fence:
+    """One save's staging point: set once every byte of this rank's tensors has left them
+    (or the write failed)."""
+
+    def __init__(self, cuda_ready: dict[int, Any]) -> None:
+        self.cuda_ready = cuda_ready
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def set(self) -> None:
+        self._done.set()
+
+    def fail(self, error: BaseException | None) -> None:
+        if error is not None and not self._done.is_set():
+            self.error = error
+        self._done.set()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._done.wait(timeout)
+
+
+class FenceStager:
+    """A DCP ``AsyncStager`` with aiopersist's fence semantics: ``dcp.async_save``
+    returns at once and copies nothing; the writer reads the live tensors while training
+    goes on, and `wait_staged` returns once every byte of this rank's tensors has left
+    them (copied into the writer's staging buffers), which is what the next optimizer
+    step must wait for. Memory: the staging pool, not a copy of the state.
+
+        writer = AiopersistWriter()
+        stager = FenceStager(writer)
+        upload = dcp.async_save(state, checkpoint_id=path, storage_writer=writer, async_stager=stager)
+        loss.backward()                 # forward and backward overlap the save
+        stager.wait_staged(upload)      # the fence: right before optimizer.step()
+        optimizer.step()
+
+    Nothing may change the saved tensors in place before `wait_staged` returns (the
+    optimizer step, or buffers that a forward pass updates in place). CUDA tensors are
+    read as they were when ``async_save`` was called on the caller's current stream.
+    Only DCP's thread executor (the default) is supported: a process executor would write
+    from a copy of the writer that this stager cannot see.
+    """
+
+    _synchronize_after_execute: bool = False
+
+    def __init__(self, writer: AiopersistWriter) -> None:
+        if not isinstance(writer, AiopersistWriter):
+            raise TypeError(
+                f"FenceStager needs the AiopersistWriter the save uses, got {type(writer).__name__}"
+            )
+        self.writer = writer
+        self._fence: _Fence | None = None
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: Any) -> Any:
+        """No copy: arm the writer's fence for this save and hand the live state on."""
+        if self._fence is not None and not self._fence.wait(0):
+            raise RuntimeError(
+                "FenceStager: the previous save has not staged yet; "
+                "call wait_staged() before the next async_save"
+            )
+        ready: dict[int, Any] = {}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            ready = record_cuda_ready([torch.cuda.current_device()])
+        self._fence = self.writer._fence = _Fence(ready)
+        return state_dict
+
+    def wait_staged(
+        self, upload: concurrent.futures.Future[Any] | None = None, timeout: float | None = None
+    ) -> None:
+        """Block until this rank's tensors may change again. With ``upload`` (what
+        ``async_save`` returned), a save that fails before it writes (in DCP's planning)
+        ends the wait too, raising its error; so does a failed write. Raises
+        `TimeoutError` after ``timeout`` seconds."""
+        fence = self._fence
+        if fence is None:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not fence.wait(0.05):
+            if upload is not None and upload.done():
+                upload.result()  # raises the save's error
+                return  # the save is over: nothing reads the tensors any more
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the save did not stage within {timeout} s")
+        if fence.error is not None:
+            raise fence.error
+
+    def synchronize_staging(self) -> None:
+        self.wait_staged()
+
+    def close(self) -> None:
+        self._fence = None
+
+
 class AiopersistWriter(StorageWriter):
     """A DCP ``StorageWriter`` on aiopersist's engine; see the module docstring.
 
@@ -205,6 +305,8 @@ class AiopersistWriter(StorageWriter):
         self.is_coordinator = False
         self.rank = 0
         self._token: str | None = None
+        self._fence: _Fence | None = None
+        """Armed by a `FenceStager` for the next ``write_data``."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -255,7 +357,18 @@ class AiopersistWriter(StorageWriter):
         items = sorted(plan.items, key=lambda it: it.type != WriteItemType.BYTE_IO)
         pieces = [_pieces(item, planner) for item in items]
         backend = self.backend
-        return _as_torch_future(_on_engine(lambda: _write_rank_file(backend, tmp, name, items, pieces)))
+        fence, self._fence = self._fence, None
+        ready = fence.cuda_ready if fence is not None else {}
+        staged = fence.set if fence is not None else None
+
+        async def write() -> list[WriteResult]:
+            use_cuda_ready(ready)
+            return await _write_rank_file(backend, tmp, name, items, pieces, staged)
+
+        cf = _on_engine(write)
+        if fence is not None:
+            cf.add_done_callback(lambda f: fence.fail(f.exception()))  # a failure ends the wait too
+        return _as_torch_future(cf)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator: DCP's ``.metadata`` and aiopersist's manifest into the
@@ -337,10 +450,13 @@ async def _write_rank_file(
     name: str,
     items: Sequence[WriteItem],
     pieces: Sequence[list[bytes | torch.Tensor]],
+    staged: Callable[[], None] | None = None,
 ) -> list[WriteResult]:
     """One rank's data file: every entry in order, checksummed as a whole and entry by
-    entry, fsynced."""
+    entry, fsynced. ``staged()`` is called once every byte has left the tensors."""
     if not items:
+        if staged is not None:
+            staged()
         return []
     lengths = [sum(_nbytes(p) for p in ps) for ps in pieces]
     hasher = PartHasher(new_hasher(), lengths, new_hasher)
@@ -349,7 +465,13 @@ async def _write_rank_file(
     try:
         async with open_backend(backend) as be:
             rec = await write_file(
-                be, os.path.join(tmp, name), dio, pool, [p for ps in pieces for p in ps], hasher=hasher
+                be,
+                os.path.join(tmp, name),
+                dio,
+                pool,
+                [p for ps in pieces for p in ps],
+                staged,
+                hasher=hasher,
             )
     finally:
         pool.close()

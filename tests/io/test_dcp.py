@@ -244,3 +244,46 @@ def test_bytes_entries_are_dcps_own_bytes(tmp_path: Path) -> None:
     [info] = metadata.storage_data.values()
     blob = (ck / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
     assert torch.load(io.BytesIO(blob), weights_only=False) == [1, 2]
+
+
+def test_fence_stager_copies_nothing_and_the_fence_holds(backend_name: str, tmp_path: Path) -> None:
+    """async_save with the fence stager returns the live state to DCP (no copy); once
+    wait_staged returns, changing the tensors in place (the optimizer step) does not
+    change what is written."""
+    from aiopersist.integrations.dcp import FenceStager
+
+    ck = tmp_path / "ck"
+    state = _state()
+    state["model"]["big"] = torch.randn(4096, 1024)  # 16 MiB: many staging buffers
+    expected = {k: v.clone() for k, v in state["model"].items()}
+    assert FenceStager(AiopersistWriter()).stage(state) is state  # DCP's upload thread gets the live state
+    writer = AiopersistWriter(backend=backend_name)
+    stager = FenceStager(writer)
+    upload = dcp.async_save(state, checkpoint_id=str(ck), storage_writer=writer, async_stager=stager)
+    stager.wait_staged(upload)
+    for t in state["model"].values():
+        if t.numel() and t.dtype.is_floating_point:
+            t.add_(1.0)  # the optimizer step, in place
+    upload.result()
+    target = _zeros_like(_state())
+    target["model"]["big"] = torch.zeros(4096, 1024)
+    dcp.load(target, checkpoint_id=str(ck), storage_reader=AiopersistReader(backend=backend_name))
+    for k, v in expected.items():
+        assert torch.equal(target["model"][k], v), k
+
+
+def test_fence_stager_ends_the_wait_with_the_saves_error(tmp_path: Path) -> None:
+    from aiopersist.integrations.dcp import FenceStager
+
+    ck = tmp_path / "ck"
+    dcp.save(_state(), checkpoint_id=str(ck), storage_writer=AiopersistWriter())
+    writer = AiopersistWriter()  # no overwrite: the save fails in DCP's planning
+    stager = FenceStager(writer)
+    upload = dcp.async_save(_state(), checkpoint_id=str(ck), storage_writer=writer, async_stager=stager)
+    _refused(lambda: stager.wait_staged(upload, timeout=60), "already exists")
+    with pytest.raises(TypeError, match="AiopersistWriter"):
+        FenceStager(FileSystemWriter(str(ck)))  # type: ignore[arg-type]
+    armed = FenceStager(AiopersistWriter())
+    armed.stage({})
+    with pytest.raises(RuntimeError, match="has not staged yet"):
+        armed.stage({})  # a second save before the first one's fence
