@@ -63,8 +63,74 @@ def same_as_full(state: dict[str, Any]) -> list[str]:
     return bad
 
 
+def fsdp2_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small MLP sharded with FSDP2 (``fully_shard``) over every rank, and AdamW."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 40),
+        torch.nn.ReLU(),
+        torch.nn.Linear(40, 40),
+        torch.nn.ReLU(),
+        torch.nn.Linear(40, 8),
+    )
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    torch.manual_seed(seed)  # the same batch on every rank, whatever their number
+    model(torch.randn(6, 16)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def full_tensors(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of a (nested) state dict, whole (DTensors gathered), by dotted path."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(node, DTensor):
+            out[prefix] = node.full_tensor()
+        elif isinstance(node, torch.Tensor):
+            out[prefix] = node.clone()
+
+    walk("", sd)
+    return out
+
+
 def scenario(name: str, rank: int, world: int, base: str, backend: str) -> Any:
     path = os.path.join(base, "ck")
+    if name in ("fsdp-save", "fsdp-load"):
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model, opt = fsdp2_model(seed=0 if name == "fsdp-save" else 99)
+        train_step(model, opt, 1)  # AdamW's state exists (and differs between the two runs)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        ref_path = os.path.join(base, "fsdp-ref.pt")
+        if name == "fsdp-save":
+            dcp.save(state, checkpoint_id=path, storage_writer=AiopersistWriter(backend=backend))
+            ref = full_tensors(state)
+            if rank == 0:
+                torch.save(ref, ref_path)
+            return {"tensors": len(ref)}
+        dcp.load(state, checkpoint_id=path, storage_reader=AiopersistReader(backend=backend))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        model_sd, optim_sd = get_state_dict(model, opt)
+        got = full_tensors({"model": model_sd, "optim": optim_sd})
+        ref = torch.load(ref_path, weights_only=True)
+        differ = sorted(k for k in ref if k not in got or not torch.equal(got[k], ref[k]))
+        train_step(model, opt, 2)  # and training goes on from it
+        return {"tensors": len(got), "mismatch": differ + sorted(set(got) - set(ref))}
     if name == "save":
         dcp.save(
             sharded(world, full_state()), checkpoint_id=path, storage_writer=AiopersistWriter(backend=backend)

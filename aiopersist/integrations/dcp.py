@@ -227,7 +227,9 @@ class FenceStager:
     optimizer step, or buffers that a forward pass updates in place). CUDA tensors are
     read as they were when ``async_save`` was called on the caller's current stream.
     Only DCP's thread executor (the default) is supported: a process executor would write
-    from a copy of the writer that this stager cannot see.
+    from a copy of the writer that this stager cannot see. When training runs collectives
+    while the save is in flight (FSDP, DDP), pass ``async_save`` a process group of the
+    save's own (``dist.new_group(backend="gloo")``), as DCP requires with any writer.
     """
 
     _synchronize_after_execute: bool = False
