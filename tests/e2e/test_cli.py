@@ -123,6 +123,28 @@ def test_bench_train_small(tmp_path: Path) -> None:
     assert not any((tmp_path / "d").iterdir())  # the checkpoints are cleaned up
 
 
+def test_bench_train_dcp_modes_and_bench_dcp_small(tmp_path: Path) -> None:
+    proc = _cli(
+        "bench", "train", "--dir", str(tmp_path / "d"), "--rounds", "1", "--steps", "3",
+        "--hidden", "128", "--layers", "2", "--batch", "8", "--modes", "none,dcp,dcp-aiopersist",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split()[0] for line in proc.stdout.splitlines() if line[:1].isalpha()}
+    assert {"none", "dcp", "dcp-aiopersist"} <= rows
+    assert not any((tmp_path / "d").iterdir())
+    proc = _cli(
+        "bench", "dcp", "--dir", str(tmp_path / "e"), "--size-gib", "0.0625", "--rounds", "1",
+        "--methods", "fs-t1,aiopersist",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "aiopersist bench dcp: 0.06 GiB over 2 ranks" in proc.stdout
+    assert "the best FileSystemWriter (fs-t1)" in proc.stdout
+    assert not any((tmp_path / "e").iterdir())
+    bad = _cli("bench", "dcp", "--dir", str(tmp_path / "e"), "--methods", "nope")
+    assert bad.returncode == 2
+    assert "unknown methods ['nope']" in bad.stderr
+
+
 def test_bench_train_calibrates_the_batch(tmp_path: Path) -> None:
     proc = _cli(
         "bench", "train", "--dir", str(tmp_path / "d"), "--rounds", "1", "--steps", "2",

@@ -42,9 +42,8 @@ def test_sharded_save_on_2_ranks_loads_bit_exact_on_1_2_and_3(tmp_path: Path, ba
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dcps_own_sharded_checkpoint_loads_through_aiopersist(tmp_path: Path, backend: str) -> None:
     _dcp("save-stock", tmp_path, backend, world=2)
-    for world in (1, 3):
-        for out in _dcp("load", tmp_path, backend, world=world):
-            assert out["ok"]["mismatch"] == [], out
+    for out in _dcp("load", tmp_path, backend, world=3):  # resharded, as DCP's reader would
+        assert out["ok"]["mismatch"] == [], out
 
 
 def test_async_save_on_2_ranks(tmp_path: Path) -> None:
@@ -92,13 +91,11 @@ def _train_fsdp2(out: Path, ranks: int, steps: int) -> dict[str, object]:
 
 def test_the_fsdp2_example_resumes_exactly_where_it_stopped(tmp_path: Path) -> None:
     """torchrun with 2 ranks: 15 steps straight, against 10 steps then a restart that
-    resumes from step 10: the same loss to the last bit. A restart on 3 ranks resumes
-    from the same checkpoint (DCP reshards)."""
+    resumes from step 10: the same loss to the last bit. (Resuming on another number of
+    ranks: the FSDP2 test above.)"""
     straight = _train_fsdp2(tmp_path / "a", 2, 15)
     first = _train_fsdp2(tmp_path / "b", 2, 10)
     assert first["newest"] == 10
     resumed = _train_fsdp2(tmp_path / "b", 2, 15)
     assert (resumed["start"], resumed["newest"]) == (10, 15)
     assert resumed["loss"] == straight["loss"]
-    wider = _train_fsdp2(tmp_path / "b", 3, 20)
-    assert (wider["start"], wider["newest"]) == (15, 20)
