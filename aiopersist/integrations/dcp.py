@@ -52,6 +52,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import io
+import math
 import os
 import pickle
 import struct
@@ -64,7 +65,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -575,6 +576,8 @@ class AiopersistReader(StorageReader):
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self._sizes: dict[str, int] = {}
         self._entries: dict[tuple[str, int, int], str] = {}
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
+        """(fqn, chunk offsets) -> the saved chunk's dtype and shape, from the metadata."""
         """(file, begin, end) -> the entry's checksum, from the manifest (none for DCP's own
         directories)."""
 
@@ -678,6 +681,11 @@ class AiopersistReader(StorageReader):
         if metadata.storage_data is None:
             raise CheckpointCorruptError(f"{self._path()}: DCP metadata without storage records")
         self.storage_data = metadata.storage_data
+        self._chunks = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for chunk in md.chunks:
+                    self._chunks[(fqn, tuple(chunk.offsets))] = (md.properties.dtype, tuple(chunk.sizes))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -717,7 +725,11 @@ class AiopersistReader(StorageReader):
                 planner.load_bytes(req, io.BytesIO(blob.numpy().tobytes()))
                 continue
             if key not in loaded:
-                loaded[key] = _load_tensor(blob, f"{os.path.join(root, key[0])} bytes {key[1]}..{key[2]}")
+                index = req.storage_index
+                layout = self._chunks.get((index.fqn, tuple(index.offset or ())))
+                raw = _raw_tensor(blob, *layout) if layout is not None else None
+                where = f"{os.path.join(root, key[0])} bytes {key[1]}..{key[2]}"
+                loaded[key] = raw if raw is not None else _load_tensor(blob, where)
             _copy_into(req, planner, loaded[key])
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -726,6 +738,28 @@ class AiopersistReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, str | os.PathLike)
+
+
+def _raw_tensor(blob: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The tensor of an entry that is exactly the archive `AiopersistWriter` writes for a
+    chunk of this dtype and shape (the same bytes around the tensor's), as a view of the
+    bytes read: no copy and no unpickling. ``None`` for anything else (DCP's own archives
+    differ in their CRC fields): `torch.load` reads those."""
+    if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        return None
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return None
+    head, tail = _archive_around(dtype, shape)
+    if blob.numel() != len(head) + nbytes + len(tail):
+        return None
+    raw = blob.numpy()
+    if raw[: len(head)].tobytes() != head or raw[len(head) + nbytes :].tobytes() != tail:
+        return None
+    try:
+        return blob[len(head) : len(head) + nbytes].view(dtype).view(shape)
+    except RuntimeError:  # not aligned for this dtype here: torch.load copes
+        return None
 
 
 def _load_tensor(blob: torch.Tensor, where: str) -> torch.Tensor:

@@ -287,3 +287,23 @@ def test_fence_stager_ends_the_wait_with_the_saves_error(tmp_path: Path) -> None
     armed.stage({})
     with pytest.raises(RuntimeError, match="has not staged yet"):
         armed.stage({})  # a second save before the first one's fence
+
+
+def test_the_readers_own_entries_are_read_without_unpickling(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry that is exactly the archive the writer makes (checked byte for byte around
+    the tensor's bytes) becomes a view of the bytes read: no torch.load, no extra copy.
+    DCP's own archives still go through torch.load (the test above)."""
+    ck = tmp_path / "ck"
+    state = {"model": {k: v for k, v in _state()["model"].items() if v.numel()}}
+    dcp.save(state, checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch.load was called for an entry the writer made")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    dcp.load(target, checkpoint_id=str(ck), storage_reader=AiopersistReader(backend=backend_name))
+    for k, v in state["model"].items():
+        assert torch.equal(target["model"][k], v), k
