@@ -136,6 +136,12 @@ def scenario(name: str, rank: int, world: int, base: str, backend: str) -> Any:
             sharded(world, full_state()), checkpoint_id=path, storage_writer=AiopersistWriter(backend=backend)
         )
         return {"files": sorted(os.listdir(path))}
+    if name in ("save-disks", "resave-disks"):
+        writer = AiopersistWriter(
+            backend=backend, disks=[os.path.join(base, "disk1")], overwrite=name == "resave-disks"
+        )
+        dcp.save(sharded(world, full_state()), checkpoint_id=path, storage_writer=writer)
+        return {"files": sorted(os.listdir(path))}
     if name == "save-stock":
         dcp.save(sharded(world, full_state()), checkpoint_id=path, storage_writer=FileSystemWriter(path))
         return {}

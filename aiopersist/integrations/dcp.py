@@ -38,7 +38,10 @@ are not tensors are deserialized by DCP's planner, as stock ``dcp.load`` does
 
 `FenceStager` makes ``dcp.async_save`` copy nothing (aiopersist's fence semantics).
 
-Limits: one directory (no spreading over several disks yet); DCP's experimental
+``disks=[...]`` spreads the ranks' files over several disks (rank ``i`` to disk ``i mod
+D``), in part directories published with the checkpoint.
+
+Limits: DCP's experimental
 ``use_collectives=False`` mode is refused; a save that fails leaves the temporary
 directory ``.<name>.aiopersist-tmp-<token>`` beside the checkpoint (a `CheckpointManager`
 removes such leftovers when it starts, as does ``aiopersist gc DIR --keep-last N
@@ -79,13 +82,13 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .._backends import open_backend
-from .._commit import make_temp, publish, remove_path
+from .._backends import open_backend, to_thread_to_the_end
+from .._commit import make_directories, make_temp, publish_with_parts, remove_path
 from .._direct import probe_directory, probe_file_for_read
 from .._exceptions import CheckpointCorruptError, CheckpointNotFoundError
-from .._locate import locate
+from .._locate import checkpoint_paths, locate, own_parts, token_at
 from .._manifest import EntryRecord, FileRecord, Manifest, dump_manifest, new_hasher
-from .._names import MANIFEST_NAME, temp_path
+from .._names import MANIFEST_NAME, part_dir, temp_path
 from .._save import write_file
 from .._staging import StagingPool
 from .._stream import PartHasher, read_segments, record_cuda_ready, run_all, use_cuda_ready
@@ -177,6 +180,8 @@ class _Prefix:
 
     prefix: str
     token: str
+    directory: int = 0
+    """Index of the directory (disk) the rank writes to: 0 is the checkpoint itself."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,10 +303,16 @@ class AiopersistWriter(StorageWriter):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str] | None = None, *, overwrite: bool = False, backend: str = "auto"
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        disks: Sequence[str | os.PathLike[str]] = (),
+        overwrite: bool = False,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         self.path = os.path.abspath(os.fspath(path)) if path is not None else None
+        self.disks = [os.path.abspath(os.fspath(d)) for d in disks]
         self.overwrite = overwrite
         self.backend = backend
         self.save_id = uuid.uuid4().hex
@@ -318,6 +329,12 @@ class AiopersistWriter(StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._path(), save_id=self.save_id)
+
+    def _paths(self) -> list[str]:
+        """The checkpoint, then its place on each further disk (``<disk>/<its name>``, as a
+        `CheckpointManager` lays steps out), where the ranks that write there put a part."""
+        final = self._path()
+        return checkpoint_paths([final, *(os.path.join(d, os.path.basename(final)) for d in self.disks)])
 
     def _path(self) -> str:
         if self.path is None:
@@ -342,10 +359,13 @@ class AiopersistWriter(StorageWriter):
         """On the coordinator: claim the temporary directory (refusing an existing
         checkpoint unless ``overwrite``) and hand every rank its prefix and the token."""
         token = uuid.uuid4().hex[:12]
+        ndirs = len(self._paths())
         make_temp(self._path(), self.overwrite, token)
         self._token = token
+        # Rank i writes to disk i mod D: the ranks' files spread evenly over the disks.
         return [
-            dataclasses.replace(plan, storage_data=_Prefix(f"__{i}_", token)) for i, plan in enumerate(plans)
+            dataclasses.replace(plan, storage_data=_Prefix(f"__{i}_", token, i % ndirs))
+            for i, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -354,8 +374,18 @@ class AiopersistWriter(StorageWriter):
             raise ValueError(
                 "AiopersistWriter.write_data: the plan did not come through its prepare_global_plan"
             )
-        tmp = temp_path(self._path(), where.token)
+        paths = self._paths()
+        final = paths[0]
+        if where.directory >= len(paths):
+            raise ValueError(
+                f"AiopersistWriter: this rank writes to disk {where.directory}, but it has {len(paths)}"
+            )
         name = f"{where.prefix}0.distcp"
+        if where.directory == 0:
+            tmp, rel = temp_path(final, where.token), name
+        else:
+            tmp = part_dir(paths[where.directory], where.token)
+            rel = os.path.relpath(os.path.join(tmp, name), final)  # what DCP's reader joins to the path
         # BYTE_IO values first, then tensors, as FileSystemWriter orders them.
         items = sorted(plan.items, key=lambda it: it.type != WriteItemType.BYTE_IO)
         pieces = [_pieces(item, planner) for item in items]
@@ -366,7 +396,7 @@ class AiopersistWriter(StorageWriter):
 
         async def write() -> list[WriteResult]:
             use_cuda_ready(ready)
-            return await _write_rank_file(backend, tmp, name, items, pieces, staged)
+            return await _write_rank_file(backend, tmp, name, rel, where.directory, items, pieces, staged)
 
         cf = _on_engine(write)
         if fence is not None:
@@ -399,9 +429,14 @@ class AiopersistWriter(StorageWriter):
             raise ValueError(
                 "AiopersistWriter.finish: no save in progress (prepare_global_plan did not run here)"
             )
-        tmp = temp_path(final, self._token)
-        self._token = None
+        token, self._token = self._token, None
+        paths = self._paths()
+        tmp = temp_path(final, token)
+        parts = own_parts(paths, token)
+        published = False
         try:
+            # The replaced checkpoint's parts, found by its token (they go after the rename).
+            old_parts = own_parts(paths, token_at(final)) if self.overwrite and parts else []
             manifest = Manifest(
                 files=files,
                 tensors={},
@@ -410,15 +445,20 @@ class AiopersistWriter(StorageWriter):
                 world_size=len(results),
                 version=2,
                 created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                directories=(".", *(os.path.relpath(p, final) for p in parts)),
                 entries={n: tuple(sorted(e, key=lambda x: x.begin)) for n, e in entries.items()},
             )
             raw = pickle.dumps(metadata)
             backend = self.backend
             _on_engine(lambda: _write_metadata_and_manifest(backend, tmp, raw, manifest)).result()
-            publish(tmp, final, self.overwrite)
+            publish_with_parts(tmp, final, parts, self.overwrite)
+            published = True
         except BaseException:
-            remove_path(tmp)
+            for p in [tmp] if published else [tmp, *parts]:
+                remove_path(p)
             raise
+        for old in old_parts:
+            remove_path(old)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -451,6 +491,8 @@ async def _write_rank_file(
     backend: str,
     tmp: str,
     name: str,
+    rel: str,
+    directory: int,
     items: Sequence[WriteItem],
     pieces: Sequence[list[bytes | torch.Tensor]],
     staged: Callable[[], None] | None = None,
@@ -463,6 +505,8 @@ async def _write_rank_file(
         return []
     lengths = [sum(_nbytes(p) for p in ps) for ps in pieces]
     hasher = PartHasher(new_hasher(), lengths, new_hasher)
+    if directory:
+        await to_thread_to_the_end(make_directories, tmp)  # this rank's part on its disk
     dio = await asyncio.to_thread(probe_directory, tmp)
     pool = StagingPool()
     try:
@@ -480,8 +524,9 @@ async def _write_rank_file(
         pool.close()
     results = []
     offset = 0
+    rec = dataclasses.replace(rec, directory=directory)
     for item, n, digest in zip(items, lengths, hasher.part_digests(), strict=True):
-        info = _StorageInfo(name, offset, n)
+        info = _StorageInfo(rel, offset, n)
         results.append(
             WriteResult(index=item.index, size_in_bytes=n, storage_data=_Written(info, digest, rec))
         )
@@ -575,6 +620,10 @@ class AiopersistReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self._sizes: dict[str, int] = {}
+        self._files: dict[str, tuple[str, str]] = {}
+        """A storage record's ``relative_path`` -> the file's name and its full path."""
+        self._checked = False
+        """The directory has aiopersist's manifest: every file and entry is listed."""
         self._entries: dict[tuple[str, int, int], str] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
         """(fqn, chunk offsets) -> the saved chunk's dtype and shape, from the metadata."""
@@ -601,7 +650,8 @@ class AiopersistReader(StorageReader):
         entry) before anything is read from the data files."""
         root = self._path()
         meta_path = os.path.join(root, METADATA_FILE)
-        self._sizes, self._entries = {}, {}
+        self._sizes, self._entries, self._files = {}, {}, {}
+        self._checked = False
         manifest: Manifest | None = None
         if os.path.lexists(os.path.join(root, MANIFEST_NAME)):
             loc = locate(root)
@@ -612,6 +662,12 @@ class AiopersistReader(StorageReader):
                     "(load it with aiopersist.load)"
                 )
             self._sizes = {n: r.nbytes for n, r in manifest.files.items()}
+            self._checked = True
+            # Files in part directories on other disks: DCP's records name them relative
+            # to the checkpoint, as the manifest's directories place them.
+            for n, r in manifest.files.items():
+                full = loc.path_of(r)
+                self._files[os.path.relpath(full, root)] = (n, full)
             self._entries = {
                 (n, e.begin, e.end): e.checksum for n, found in manifest.entries.items() for e in found
             }
@@ -649,7 +705,18 @@ class AiopersistReader(StorageReader):
         where = f"{root}/{METADATA_FILE}: {index}"
         if not isinstance(info, _StorageInfo):
             raise CheckpointCorruptError(f"{where}: not a storage record")
-        name = safe_file_name(info.relative_path, where)
+        if self._checked:  # aiopersist's manifest lists every file
+            found = (
+                self._files.get(os.path.normpath(info.relative_path))
+                if isinstance(info.relative_path, str)
+                else None
+            )
+            if found is None:
+                raise CheckpointCorruptError(f"{where}: {info.relative_path!r} is no file of the checkpoint")
+            name = found[0]
+        else:
+            name = safe_file_name(info.relative_path, where)
+            self._files[name] = (name, os.path.join(root, name))
         if info.transform_descriptors:
             raise CheckpointCorruptError(
                 f"{where}: stored with transforms {list(info.transform_descriptors)}, which AiopersistReader "
@@ -696,16 +763,17 @@ class AiopersistReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every entry the plan needs (each once, however many items use it) through
         the engine, check each against its checksum, then hand them to the planner."""
-        root = self._path()
         wanted: dict[tuple[str, int, int], torch.Tensor] = {}
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             key = (info.relative_path, info.offset, info.offset + info.length)
             if key not in wanted:
                 wanted[key] = torch.empty(info.length, dtype=torch.uint8)
+        files = {rel: self._files[os.path.normpath(rel)] for rel, _, _ in wanted}
         backend = self.backend
-        _on_engine(lambda: _read_entries(backend, root, wanted)).result()
-        for (name, begin, end), blob in wanted.items():
+        _on_engine(lambda: _read_entries(backend, {r: f[1] for r, f in files.items()}, wanted)).result()
+        for (rel, begin, end), blob in wanted.items():
+            name = files[rel][0]
             stated = self._entries.get((name, begin, end))
             if stated is None:
                 continue
@@ -713,7 +781,7 @@ class AiopersistReader(StorageReader):
             hasher.update(cast(Any, blob.numpy()))
             if hasher.hexdigest() != stated:
                 raise CheckpointCorruptError(
-                    f"{os.path.join(root, name)}: checksum mismatch in bytes {begin}..{end} "
+                    f"{files[rel][1]}: checksum mismatch in bytes {begin}..{end} "
                     "(damaged since it was written)"
                 )
         loaded: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -728,7 +796,7 @@ class AiopersistReader(StorageReader):
                 index = req.storage_index
                 layout = self._chunks.get((index.fqn, tuple(index.offset or ())))
                 raw = _raw_tensor(blob, *layout) if layout is not None else None
-                where = f"{os.path.join(root, key[0])} bytes {key[1]}..{key[2]}"
+                where = f"{files[key[0]][1]} bytes {key[1]}..{key[2]}"
                 loaded[key] = raw if raw is not None else _load_tensor(blob, where)
             _copy_into(req, planner, loaded[key])
         fut: Future[None] = Future()
@@ -793,19 +861,22 @@ def _copy_into(req: ReadItem, planner: LoadPlanner, stored: torch.Tensor) -> Non
     planner.commit_tensor(req, target)
 
 
-async def _read_entries(backend: str, root: str, wanted: dict[tuple[str, int, int], torch.Tensor]) -> None:
+async def _read_entries(
+    backend: str, paths: dict[str, str], wanted: dict[tuple[str, int, int], torch.Tensor]
+) -> None:
+    """Read every wanted ``(relative path, begin, end)`` entry into its tensor; ``paths``
+    gives each relative path's full path."""
     by_file: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    for (name, begin, _), dest in wanted.items():
-        by_file.setdefault(name, []).append((begin, dest))
+    for (rel, begin, _), dest in wanted.items():
+        by_file.setdefault(paths[rel], []).append((begin, dest))
     pool = StagingPool()
     try:
         async with open_backend(backend) as be:
 
-            async def one(name: str, segments: list[tuple[int, torch.Tensor]]) -> None:
-                path = os.path.join(root, name)
+            async def one(path: str, segments: list[tuple[int, torch.Tensor]]) -> None:
                 dio = await asyncio.to_thread(probe_file_for_read, path)
                 await read_segments(be, path, dio, pool, segments)
 
-            await run_all(one(n, segs) for n, segs in by_file.items())
+            await run_all(one(p, segs) for p, segs in by_file.items())
     finally:
         pool.close()
