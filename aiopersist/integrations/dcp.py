@@ -42,10 +42,10 @@ are not tensors are deserialized by DCP's planner, as stock ``dcp.load`` does
 D``), in part directories published with the checkpoint.
 
 Limits: DCP's experimental
-``use_collectives=False`` mode is refused; a save that fails leaves the temporary
-directory ``.<name>.aiopersist-tmp-<token>`` beside the checkpoint (a `CheckpointManager`
-removes such leftovers when it starts, as does ``aiopersist gc DIR --keep-last N
---leftovers --apply``).
+``use_collectives=False`` mode is refused; a save that fails in DCP's write step leaves
+its temporary directory ``.<name>.aiopersist-tmp-<token>`` (and its parts) until the
+same writer's next save removes them (a `CheckpointManager` removes such leftovers when
+it starts, as does ``aiopersist gc DIR --keep-last N --leftovers --apply``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import io
+import logging
 import math
 import os
 import pickle
@@ -100,6 +101,8 @@ from torch.distributed.checkpoint import filesystem as _dcp_filesystem
 
 _DCP_VERSION: str | None = getattr(_dcp_filesystem, "CURRENT_DCP_VERSION", None)
 """What DCP's own writer stamps on its metadata (never checked on load)."""
+
+log = logging.getLogger("aiopersist")
 
 METADATA_FILE = ".metadata"
 """DCP's metadata file: the name its ``FileSystemReader`` looks for."""
@@ -321,6 +324,9 @@ class AiopersistWriter(StorageWriter):
         self._token: str | None = None
         self._fence: _Fence | None = None
         """Armed by a `FenceStager` for the next ``write_data``."""
+        self._pending: tuple[list[str], str] | None = None
+        """On the coordinator, between claiming a save's directories and its ``finish``: the
+        checkpoint's paths and the save's token."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -351,6 +357,16 @@ class AiopersistWriter(StorageWriter):
             )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
+        if self._pending is not None:
+            # This writer's previous save failed after claiming its directories (on some
+            # rank, in DCP's write step, so that finish never ran): DCP runs one save at a
+            # time, so nothing writes there any more.
+            paths, token = self._pending
+            self._pending = self._token = None
+            for leftover in [temp_path(paths[0], token), *own_parts(paths, token)]:
+                if os.path.lexists(leftover):
+                    log.info("aiopersist: removing %s, left by a failed DCP save", leftover)
+                    remove_path(leftover)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -362,6 +378,7 @@ class AiopersistWriter(StorageWriter):
         ndirs = len(self._paths())
         make_temp(self._path(), self.overwrite, token)
         self._token = token
+        self._pending = (self._paths(), token)
         # Rank i writes to disk i mod D: the ranks' files spread evenly over the disks.
         return [
             dataclasses.replace(plan, storage_data=_Prefix(f"__{i}_", token, i % ndirs))
@@ -430,6 +447,7 @@ class AiopersistWriter(StorageWriter):
                 "AiopersistWriter.finish: no save in progress (prepare_global_plan did not run here)"
             )
         token, self._token = self._token, None
+        self._pending = None  # from here on this save cleans up after itself
         paths = self._paths()
         tmp = temp_path(final, token)
         parts = own_parts(paths, token)

@@ -95,25 +95,27 @@ def main() -> None:
         if rank == 0:
             print(f"resumed from step {resumed}", flush=True)
 
+    # One writer and stager for the run: a save that fails in DCP's write step leaves its
+    # temporary directory, which the same writer's next save removes.
+    writer = AiopersistWriter()
+    stager = FenceStager(writer)
     upload = None
-    stager: FenceStager | None = None
+    fence_due = False
     loss = torch.tensor(0.0)
     for step in range(start + 1, args.steps + 1):
         g = torch.Generator().manual_seed(step)  # the same batch for a step, however many ranks
         x = torch.randn(32, args.width, generator=g).to(args.device)
         loss = model(x).pow(2).mean()
         loss.backward()
-        if stager is not None:
+        if fence_due:
             stager.wait_staged(upload)  # the fence: the save has every byte it needs
-            stager = None
+            fence_due = False
         opt.step()
         opt.zero_grad()
         if step % args.every == 0:
             if upload is not None:
                 upload.result()  # DCP runs one save at a time
             model_sd, optim_sd = get_state_dict(model, opt)
-            writer = AiopersistWriter()
-            stager = FenceStager(writer)
             upload = async_save(
                 {"model": model_sd, "optim": optim_sd},
                 checkpoint_id=os.path.join(args.out, f"step-{step}"),
@@ -121,9 +123,10 @@ def main() -> None:
                 async_stager=stager,
                 process_group=ckpt_group,
             )
+            fence_due = True
             if rank == 0:
                 print(f"step {step}: checkpoint started (loss {loss.item():.6f})", flush=True)
-    if stager is not None:
+    if fence_due:
         stager.wait_staged(upload)
     if upload is not None:
         upload.result()

@@ -131,16 +131,17 @@ def test_a_full_disk_fails_the_save_and_keeps_the_old_checkpoint(backend_name: s
     small = {"model": {"w": torch.ones(100)}, "step": 1}
     dcp.save(small, checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
     big = {"model": {"w": torch.ones(2 << 20)}, "step": 2}  # 8 MiB on a 4 MiB file system
-    _refused(
-        lambda: dcp.save(
-            big, checkpoint_id=str(ck), storage_writer=AiopersistWriter(overwrite=True, backend=backend_name)
-        ),
-        "DiskFullError",
-    )
+    writer = AiopersistWriter(overwrite=True, backend=backend_name)
+    _refused(lambda: dcp.save(big, checkpoint_id=str(ck), storage_writer=writer), "DiskFullError")
     target = {"model": {"w": torch.zeros(100)}, "step": 0}
     dcp.load(target, checkpoint_id=str(ck), storage_reader=AiopersistReader(backend=backend_name))
     assert target["step"] == 1
     assert torch.equal(target["model"]["w"], torch.ones(100))
+    # DCP raised without calling finish: the failed save's directory is still there, until
+    # the same writer's next save removes it.
+    assert [p.name for p in small_fs.iterdir() if ".aiopersist-tmp-" in p.name]
+    dcp.save({"model": {"w": torch.ones(100) * 3}, "step": 3}, checkpoint_id=str(ck), storage_writer=writer)
+    assert sorted(p.name for p in small_fs.iterdir()) == ["ck"]
 
 
 def test_a_damaged_entry_is_refused_by_the_reader_and_by_verify(backend_name: str, tmp_path: Path) -> None:
