@@ -15,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import unicodedata
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,8 +39,8 @@ from .._exceptions import (
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    path = _existing_directories([args.path])[0]
     rows = list(describe_platform().items())
-    path = os.path.abspath(args.path)
     rows.append(("path", path))
     try:
         dio = probe_directory(path)
@@ -665,9 +666,9 @@ def _verify(args: argparse.Namespace) -> int:
 def _ls(args: argparse.Namespace) -> int:
     from .._manager import scan
 
-    found = scan([os.path.abspath(d) for d in args.dir], "local")
+    found = scan(_existing_directories(args.dir), "local")
     if args.mirror:
-        found += scan(os.path.abspath(args.mirror), "mirror")
+        found += scan(_existing_directories([args.mirror])[0], "mirror")
     found.sort(key=lambda s: (s.step, s.tier != "local"))
     if args.json:
         doc = [
@@ -704,6 +705,7 @@ def _gc(args: argparse.Namespace) -> int:
     from .._manager import DirectoryLock
 
     directories = [os.path.abspath(d) for d in args.dir]
+    _existing_directories(directories[:1])  # the manager's own; a further disk may be gone
     if not (args.apply and os.path.isdir(directories[0])):
         return _gc_locked(args, directories)
     locks = []
@@ -900,11 +902,43 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def _positive(text: str) -> int:
+    """An argument that must be a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class MissingPathError(Exception):
+    """A path given on the command line does not exist (exit status 1, one line)."""
+
+
+def _existing_directories(paths: Sequence[str]) -> list[str]:
+    out = [os.path.abspath(p) for p in paths]
+    for p in out:
+        if not os.path.isdir(p):
+            raise MissingPathError(f"{p}: {'not a directory' if os.path.lexists(p) else 'no such directory'}")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aiopersist", description="Fast, asynchronous, crash-safe checkpoints."
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine decides")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log what the engine decides; tracebacks on errors"
+    )
+    parser.add_argument("--version", action="version", version=f"aiopersist {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     doctor = sub.add_parser(
@@ -1033,8 +1067,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gc = sub.add_parser("gc", help="apply retention to a CheckpointManager directory (dry run by default)")
     gc.add_argument("dir", nargs="+", help="the manager's directory (its other disks' after it)")
-    gc.add_argument("--keep-last", type=int, required=True, help="keep the newest N complete steps")
-    gc.add_argument("--keep-every", type=int, help="and every step divisible by K")
+    gc.add_argument("--keep-last", type=_positive, required=True, help="keep the newest N complete steps")
+    gc.add_argument("--keep-every", type=_positive, help="and every step divisible by K")
     gc.add_argument(
         "--leftovers",
         action="store_true",
@@ -1062,7 +1096,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return int(args.func(args))
-    except (AiopersistError, OSError, ValueError, RuntimeError) as exc:
+    except (AiopersistError, OSError, ValueError, RuntimeError, MissingPathError) as exc:
+        if args.verbose:
+            traceback.print_exc()
         print(f"aiopersist: error: {printable(str(exc))}", file=sys.stderr)
         return 1
 

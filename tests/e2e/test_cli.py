@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiopersist
 from aiopersist._names import LOCK_NAME
 from tests.conftest import URING_OK
 
@@ -29,10 +30,34 @@ def test_doctor_reports_backend_and_direct_io(tmp_path: Path) -> None:
     assert bool(re.search(r"^auto backend\s+io_uring$", out, re.M)) == URING_OK
 
 
-def test_doctor_on_missing_directory_says_so(tmp_path: Path) -> None:
-    proc = _cli("doctor", str(tmp_path / "missing"))
+def test_a_missing_path_is_an_error_in_one_line(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing")
+    for args in (("doctor", missing), ("ls", missing), ("gc", missing, "--keep-last", "1")):
+        proc = _cli(*args)
+        assert proc.returncode == 1, (args, proc.stdout, proc.stderr)
+        assert proc.stderr.strip() == f"aiopersist: error: {missing}: no such directory", args
+        assert proc.stdout == ""
+    (tmp_path / "file").write_text("x")
+    proc = _cli("ls", str(tmp_path / "file"))
+    assert proc.returncode == 1
+    assert "not a directory" in proc.stderr
+
+
+def test_bad_arguments_version_and_tracebacks(tmp_path: Path) -> None:
+    proc = _cli("gc", str(tmp_path), "--keep-last", "-1")
+    assert proc.returncode == 2  # argparse's usage error
+    assert "must be at least 1, got -1" in proc.stderr
+    proc = _cli("gc", str(tmp_path), "--keep-last", "2", "--keep-every", "x")
+    assert proc.returncode == 2
+    assert "'x' is not a whole number" in proc.stderr
+    proc = _cli("--version")
     assert proc.returncode == 0
-    assert re.search(r"^O_DIRECT\s+cannot probe: .*No such file", proc.stdout, re.M)
+    assert proc.stdout.strip() == f"aiopersist {aiopersist.__version__}"
+    quiet = _cli("inspect", str(tmp_path / "none"))
+    loud = _cli("-v", "inspect", str(tmp_path / "none"))
+    assert quiet.returncode == loud.returncode == 1
+    assert "Traceback" not in quiet.stderr
+    assert "Traceback (most recent call last)" in loud.stderr
 
 
 def test_demo_runs_and_verifies(tmp_path: Path) -> None:
