@@ -11,7 +11,7 @@ pass (its checks are its own); that error comes as `StateMismatchError`, chained
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping, MutableSequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -30,7 +30,8 @@ class _Check:
 
     def walk(self, target: object, saved: object, where: str) -> None:
         if isinstance(target, torch.nn.Module):
-            self.mapping(target.state_dict(), saved, where)
+            own = target.state_dict()
+            self.mapping(own, wrapper_aligned(own, saved), where)
         elif _is_stateful(target):
             if not isinstance(saved, Mapping):
                 self.wrong.append(f"{where}: saved a {type(saved).__name__}, not a state dict")
@@ -79,6 +80,46 @@ class _Check:
                 self.walk(target[key], saved[key], f"{where}[{key!r}]")
 
 
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+"""What wrapping a module adds to its state dict's keys: ``DistributedDataParallel`` (and
+``DataParallel``) ``module.``, ``torch.compile`` ``_orig_mod.``."""
+
+
+def wrapper_aligned(own: Mapping[str, Any], saved: object) -> object:
+    """``saved`` with its keys matched to a module's own: a state saved from a wrapped
+    module (``module.w``) loads into the bare one (``w``) and the other way round. Only
+    when adding or removing one wrapper's prefix on every key gives exactly the module's
+    keys; otherwise ``saved`` as it is (and the mismatch is reported as such)."""
+    if not isinstance(saved, Mapping) or not saved or set(saved) == set(own):
+        return saved
+    keys = list(saved)
+    if not all(isinstance(k, str) for k in keys):
+        return saved
+    mine = set(own)
+    for prefix in WRAPPER_PREFIXES:
+        if all(k.startswith(prefix) for k in keys) and {k[len(prefix) :] for k in keys} == mine:
+            return {k[len(prefix) :]: v for k, v in saved.items()}
+        if {prefix + k for k in keys} == mine:
+            return {prefix + k: v for k, v in saved.items()}
+    return saved
+
+
+def _wrapper_hint(missing: list[str], unexpected: list[str]) -> str | None:
+    for prefix in WRAPPER_PREFIXES:
+        marker = f"['{prefix}"
+        if unexpected and all(marker in u for u in unexpected):
+            return (
+                f"the checkpoint's keys start with {prefix!r} (saved from a wrapped module: "
+                f"{'DistributedDataParallel' if prefix == 'module.' else 'torch.compile'}) and some do not "
+                "match this module even without it"
+            )
+        if missing and all(marker in m for m in missing):
+            return (
+                f"this module's keys start with {prefix!r} and some do not match the checkpoint even with it"
+            )
+    return None
+
+
 def _describe(obj: object) -> str:
     if isinstance(obj, list | tuple):
         return f"a {type(obj).__name__} of {len(obj)}"
@@ -88,7 +129,9 @@ def _describe(obj: object) -> str:
 def _apply(target: object, saved: Any, strict: bool) -> object:
     """Load ``saved`` into ``target``; returns what should stand in the parent container."""
     if isinstance(target, torch.nn.Module):
-        target.load_state_dict(saved, strict=strict)
+        target.load_state_dict(
+            cast(Mapping[str, Any], wrapper_aligned(target.state_dict(), saved)), strict=strict
+        )
         return target
     if _is_stateful(target):
         try:
@@ -132,6 +175,9 @@ def load_into(target: object, saved: Any, *, strict: bool) -> None:
         if check.unexpected:
             lines.append("unexpected in the checkpoint: " + ", ".join(check.unexpected))
         lines.extend(check.wrong)
+        hint = _wrapper_hint(check.missing, check.unexpected)
+        if hint is not None:
+            lines.append(hint)
         raise StateMismatchError(
             "the checkpoint does not fit the target; nothing was loaded:\n  " + "\n  ".join(lines),
             check.missing,

@@ -903,9 +903,9 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _version() -> str:
-    from .. import __version__
+    import aiopersist
 
-    return __version__
+    return aiopersist.__version__
 
 
 def _positive(text: str) -> int:

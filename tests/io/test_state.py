@@ -369,3 +369,18 @@ async def test_awkward_names_and_paths(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["c", "f"]
     with pytest.raises(ValueError, match="max_shard_bytes must be positive"):
         await aiopersist.save({"w": torch.ones(1)}, tmp_path / "g", max_shard_bytes=0)
+
+
+async def test_a_data_parallel_models_checkpoint_loads_into_the_bare_model(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """Saved from a wrapped module (``module.`` keys, as DDP and DataParallel save), loaded
+    into the bare one: the prefix is matched, with ``strict``."""
+    torch.manual_seed(0)
+    bare = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    wrapped = torch.nn.DataParallel(bare)  # on the CPU: a wrapper that adds "module."
+    await aiopersist.save({"model": wrapped}, tmp_path / "ck", backend=backend_name)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    await aiopersist.load(tmp_path / "ck", into={"model": fresh}, backend=backend_name)
+    for k, v in bare.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
