@@ -46,17 +46,27 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from transformers import (
-    PreTrainedModel,
-    Trainer,
-    TrainerCallback,
-    TrainerControl,
-    TrainerState,
-    TrainingArguments,
-)
-from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.training_args import ParallelMode
+
+try:
+    from transformers import (
+        PreTrainedModel,
+        Trainer,
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
+    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    from transformers.training_args import ParallelMode
+except ModuleNotFoundError as exc:
+    if exc.name is None or exc.name.split(".")[0] != "transformers":
+        raise
+    raise ModuleNotFoundError(
+        "aiopersist.integrations.transformers needs the transformers package: "
+        "pip install 'aiopersist[hf]' (transformers, accelerate, safetensors)",
+        name=exc.name,
+    ) from exc
 
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode

@@ -26,3 +26,14 @@ def test_every_error_shares_the_root() -> None:
         obj = getattr(aiopersist, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, aiopersist.AiopersistError)
+
+
+def test_the_trainer_integration_without_transformers_says_how_to_install_it() -> None:
+    code = "import sys; sys.modules['transformers'] = None\nimport aiopersist.integrations.transformers"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 1
+    assert (
+        "ModuleNotFoundError: aiopersist.integrations.transformers needs the transformers package"
+        in proc.stderr
+    )
+    assert "pip install 'aiopersist[hf]'" in proc.stderr
