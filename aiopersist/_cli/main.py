@@ -684,8 +684,10 @@ def _ls(args: argparse.Namespace) -> int:
         ]
         print(json.dumps(doc, indent=2))
         return 0
+    leftovers = _leftovers_in(os.path.abspath(args.dir[0]))
     if not found:
         print(f"no step-N checkpoints in {args.dir[0]}" + (f" or {args.mirror}" if args.mirror else ""))
+        _print_leftovers(leftovers)
         return 0
     rows = [
         [
@@ -698,11 +700,33 @@ def _ls(args: argparse.Namespace) -> int:
         for s in found
     ]
     print("\n".join(_table(["step", "tier", "complete", "size", "problem"], rows, right=(0, 3))))
+    _print_leftovers(leftovers)
     return 0
+
+
+def _leftovers_in(directory: str) -> list[str]:
+    """What interrupted saves and deletions left in a manager's directory."""
+    from .._names import LEFTOVER_MARKERS
+
+    return sorted(n for n in os.listdir(directory) if any(m in n for m in LEFTOVER_MARKERS))
+
+
+def _print_leftovers(leftovers: Sequence[str]) -> None:
+    if leftovers:
+        print(
+            f"\nleftovers of interrupted saves or deletions ({len(leftovers)}; "
+            "`aiopersist gc DIR --leftovers --apply` removes them when no save runs):"
+        )
+        for name in leftovers:
+            print(f"  {printable(name)}")
 
 
 def _gc(args: argparse.Namespace) -> int:
     from .._manager import DirectoryLock
+
+    if args.keep_last is None and not args.leftovers:
+        print("aiopersist gc: nothing to do: pass --keep-last N, --leftovers, or both", file=sys.stderr)
+        return 2
 
     directories = [os.path.abspath(d) for d in args.dir]
     _existing_directories(directories[:1])  # the manager's own; a further disk may be gone
@@ -843,6 +867,10 @@ def _publish(out: str, write: Callable[[str], None]) -> None:
     tmp = beside(out, TMP_MARKER, str(os.getpid()))
     try:
         write(tmp)
+        # The mode a new file gets here (some writers create theirs 0600).
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         _fsync_path(tmp)
         os.replace(tmp, out)
     except BaseException:
@@ -1067,7 +1095,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     gc = sub.add_parser("gc", help="apply retention to a CheckpointManager directory (dry run by default)")
     gc.add_argument("dir", nargs="+", help="the manager's directory (its other disks' after it)")
-    gc.add_argument("--keep-last", type=_positive, required=True, help="keep the newest N complete steps")
+    gc.add_argument(
+        "--keep-last",
+        type=_positive,
+        help="keep the newest N complete steps (without it: retention is not applied)",
+    )
     gc.add_argument("--keep-every", type=_positive, help="and every step divisible by K")
     gc.add_argument(
         "--leftovers",

@@ -255,13 +255,19 @@ def test_ls_and_gc(tmp_path: Path) -> None:
     (tmp_path / "ck" / ".step-5.aiopersist-tmp-0123456789ab").mkdir()
     proc = _cli("ls", str(tmp_path / "ck"), "--mirror", str(tmp_path / "m"))
     assert proc.returncode == 0, proc.stderr
-    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    table = proc.stdout.split("\n\n")[0]  # the leftovers follow, after a blank line
+    rows = [line.split() for line in table.splitlines()[1:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [
         ("1", "local", "yes"), ("2", "local", "yes"), ("3", "local", "yes"),
         ("4", "local", "yes"), ("4", "mirror", "yes"), ("9", "local", "NO"),
     ]  # fmt: skip
+    assert "leftovers of interrupted saves or deletions (1;" in proc.stdout
+    assert "  .step-5.aiopersist-tmp-0123456789ab" in proc.stdout
     doc = json.loads(_cli("ls", str(tmp_path / "ck"), "--json").stdout)
     assert [d["step"] for d in doc if d["complete"]] == [1, 2, 3, 4]
+    nothing = _cli("gc", str(tmp_path / "ck"))
+    assert nothing.returncode == 2
+    assert "nothing to do" in nothing.stderr
     dry = _cli("gc", str(tmp_path / "ck"), "--keep-last", "1", "--keep-every", "2", "--leftovers")
     assert dry.returncode == 0, dry.stderr
     assert "would delete step-1" in dry.stdout
@@ -270,6 +276,16 @@ def test_ls_and_gc(tmp_path: Path) -> None:
     assert "dry run" in dry.stdout
     before = sorted(set(os.listdir(tmp_path / "ck")) - {LOCK_NAME})
     assert before[0] == ".step-5.aiopersist-tmp-0123456789ab"  # nothing changed
+    alone = _cli("gc", str(tmp_path / "ck"), "--leftovers", "--apply")  # leftovers only: no retention
+    assert alone.returncode == 0, alone.stderr
+    assert sorted(set(os.listdir(tmp_path / "ck")) - {LOCK_NAME}) == [
+        "step-1",
+        "step-2",
+        "step-3",
+        "step-4",
+        "step-9",
+    ]
+    (tmp_path / "ck" / ".step-6.aiopersist-trash-0123456789ab").mkdir()
     done = _cli("gc", str(tmp_path / "ck"), "--keep-last", "1", "--keep-every", "2", "--leftovers", "--apply")
     assert done.returncode == 0, done.stderr
     assert sorted(set(os.listdir(tmp_path / "ck")) - {LOCK_NAME}) == ["step-2", "step-4", "step-9"]

@@ -221,6 +221,10 @@ def test_convert_to_safetensors(saved: tuple[Path, dict[str, Any]], tmp_path: Pa
         assert torch.equal(loaded[name], tensor), name
     # The tied weight is written twice, as separate tensors.
     assert loaded["model.head.weight"].data_ptr() != loaded["model.emb.weight"].data_ptr()
+    # A new file's usual mode (0666 less the umask), not the writer's private 0600.
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 def test_convert_to_torch(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
