@@ -67,7 +67,7 @@ from ._manifest import (
 from ._names import MANIFEST_NAME, MODEL_INDEX, PART_PREFIX, PICKLE_FILE, part_dir, temp_path
 from ._plan import FilePlan, PartPlan, RankDesc, Replicated, WritePlan, describe, plan_write, rank_state
 from ._staging import StagingPool
-from ._stream import FileWriter, PartHasher, cuda_ready_streams, run_all, settle
+from ._stream import Bytes, FileWriter, PartHasher, cuda_ready_streams, run_all, settle
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ async def write_file(
     path: str,
     dio: DirectIOInfo,
     pool: StagingPool,
-    parts: Sequence[bytes | torch.Tensor],
+    parts: Sequence[Bytes | torch.Tensor],
     written: Callable[[], None] | None = None,
     hasher: Any = None,
 ) -> FileRecord:

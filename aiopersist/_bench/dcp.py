@@ -26,14 +26,14 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, TextIO
+
+from .ranks import drop_caches, run_workers
 
 _GiB = 1 << 30
 METHODS = ("fs-t1", "fs-t2", "fs-t4", "aiopersist", "fio")
@@ -58,12 +58,6 @@ class DcpReport:
     def best_filesystem(self) -> str | None:
         fs = [m for m in self.seconds if m.startswith("fs-")]
         return min(fs, key=self.median) if fs else None
-
-
-def _drop_caches() -> None:
-    os.sync()
-    with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def _sharded(state: dict[str, Any], world: int) -> dict[str, Any]:
@@ -125,7 +119,7 @@ def _worker(rank: int, world: int, port: int, base: str, size: int, rounds: int,
             k = r % len(methods)
             for method in methods[k:] + methods[:k]:
                 if rank == 0:
-                    _drop_caches()
+                    drop_caches()
                 dist.barrier()
                 t0 = time.perf_counter()
                 run(method)
@@ -163,37 +157,15 @@ def run_dcp(
         out.write("fio is not installed: left out\n")
     work = os.path.join(directory, f".aiopersist-bench-dcp-{os.getpid()}")
     os.makedirs(work, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
     out.write(
         f"dcp.save of {size_bytes / _GiB:.2f} GiB sharded over {ranks} ranks, {rounds} rounds, "
         f"methods {', '.join(methods)}, in {work}\n"
     )
     out.flush()
     try:
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "aiopersist._bench.dcp",
-                    *(str(v) for v in (r, ranks, port, work, size_bytes, rounds, ",".join(methods))),
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(ranks)
-        ]
-        results = []
-        for p in procs:
-            stdout, _ = p.communicate()
-            if p.returncode != 0:
-                raise RuntimeError(f"a bench worker failed (exit status {p.returncode})")
-            results.append(json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1]))
+        results = run_workers("aiopersist._bench.dcp", ranks, (work, size_bytes, rounds, ",".join(methods)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    results.sort(key=lambda d: d["rank"])
     first = results[0]
     return DcpReport(
         ranks,

@@ -52,6 +52,8 @@ import torch.nn.functional as F
 
 from aiopersist import BlockingCheckpointer, BlockingSaveHandle, load_sync
 
+from .ranks import drop_caches
+
 # aiopersist's modes first: when the time budget cuts a round short, they have run.
 MODES: tuple[str, ...] = ("none", "fence", "snapshot", "dcp", "torch.save")
 CADENCES: tuple[int, ...] = (1, 10)
@@ -154,12 +156,6 @@ class MixedAdamW(torch.optim.Optimizer):
 
 
 # -- measurement helpers --------------------------------------------------------------------
-
-
-def _drop_caches() -> None:
-    os.sync()
-    with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -442,7 +438,7 @@ def _load_gbps(path: str, device: torch.device, rounds: int) -> dict[str, float 
     for r in range(rounds):
         order = ["aiopersist", "safetensors"] if r % 2 == 0 else ["safetensors", "aiopersist"]
         for how in order:
-            _drop_caches()
+            drop_caches()
             t0 = time.perf_counter()
             if how == "aiopersist":
                 state = load_sync(path, map_location=str(device))
@@ -564,7 +560,7 @@ def run_gpu(
                         if time.perf_counter() + estimate(m, c) + reserve > deadline:
                             left_out.add((m, c))
                             continue
-                        _drop_caches()
+                        drop_caches()
                         try:
                             fig = run_mode(t, m, c, saves_per_run[c], accum[c], work, checkpointers, dcp)
                         except Exception as exc:
@@ -583,7 +579,7 @@ def run_gpu(
                     break
                 rounds_run += 1
                 if time.perf_counter() + 2 * save_s + 10 < deadline:
-                    _drop_caches()
+                    drop_caches()
                     g = _fio_gbps(work, t.state_bytes)
                     if g is not None:
                         fio.append(g)

@@ -18,18 +18,17 @@ coordination rather than the gain of more disks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any, TextIO
+
+from .ranks import drop_caches, run_workers
 
 _GiB = 1 << 30
 
@@ -58,12 +57,6 @@ class SpreadReport:
         return max(self.rank_bytes) / mean if mean else 1.0
 
 
-def _drop_caches() -> None:
-    os.sync()
-    with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def _worker(rank: int, world: int, port: int, base: str, size: int, dirs: int, rounds: int) -> None:
     import torch.distributed as dist
 
@@ -87,7 +80,7 @@ def _worker(rank: int, world: int, port: int, base: str, size: int, dirs: int, r
 
     def timed(run: Any) -> float:
         if rank == 0:
-            _drop_caches()
+            drop_caches()
         dist.barrier()
         t0 = time.perf_counter()
         run()
@@ -139,36 +132,14 @@ def run_spread(
         raise ValueError(f"--ranks and --dirs must be at least 1, got {ranks} and {dirs}")
     work = os.path.join(directory, f".aiopersist-bench-spread-{os.getpid()}")
     os.makedirs(work, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
     out.write(
         f"{ranks} ranks x {dirs} directories against 1 x 1, {size_bytes / _GiB:.2f} GiB, {rounds} rounds\n"
     )
     out.flush()
     try:
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "aiopersist._bench.spread",
-                    *(str(v) for v in (r, ranks, port, work, size_bytes, dirs, rounds)),
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for r in range(ranks)
-        ]
-        results = []
-        for p in procs:
-            stdout, _ = p.communicate()
-            if p.returncode != 0:
-                raise RuntimeError(f"a bench worker failed (exit status {p.returncode})")
-            results.append(json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1]))
+        results = run_workers("aiopersist._bench.spread", ranks, (work, size_bytes, dirs, rounds))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    results.sort(key=lambda d: d["rank"])
     return SpreadReport(
         ranks,
         dirs,

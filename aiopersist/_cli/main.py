@@ -750,19 +750,13 @@ def _gc(args: argparse.Namespace) -> int:
 def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
     from .._locate import read_manifest
     from .._manager import clean_leftovers, delete_step, scan, step_paths
-    from .._names import OLD_MARKER, TMP_MARKER, TRASH_MARKER, step_name
+    from .._names import step_name
     from .._retention import policy_of, to_delete
 
     directory = directories[0]
     complete = [s for s in scan(directories) if s.complete]
     doomed = to_delete([s.step for s in complete], policy_of(args.keep_last, args.keep_every))
-    leftovers = []
-    if args.leftovers and os.path.isdir(directory):
-        leftovers = [
-            n
-            for n in sorted(os.listdir(directory))
-            if TMP_MARKER in n or TRASH_MARKER in n or OLD_MARKER in n
-        ]
+    leftovers = _leftovers_in(directory) if args.leftovers and os.path.isdir(directory) else []
     verb = "deleting" if args.apply else "would delete"
     for s in complete:
         if s.step in doomed:

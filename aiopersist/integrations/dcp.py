@@ -61,7 +61,6 @@ import os
 import pickle
 import struct
 import threading
-import time
 import uuid
 import zipfile
 from collections.abc import Callable, Coroutine, Sequence
@@ -87,12 +86,12 @@ from .._backends import open_backend, to_thread_to_the_end
 from .._commit import make_directories, make_temp, publish_with_parts, remove_path
 from .._direct import probe_directory, probe_file_for_read
 from .._exceptions import CheckpointCorruptError, CheckpointNotFoundError
-from .._locate import checkpoint_paths, locate, own_parts, token_at
-from .._manifest import EntryRecord, FileRecord, Manifest, dump_manifest, new_hasher
+from .._locate import checkpoint_paths, locate, own_parts, read_small, regular_size, token_at
+from .._manifest import EntryRecord, FileRecord, Manifest, dump_manifest, new_hasher, safe_file_name
 from .._names import MANIFEST_NAME, part_dir, temp_path
 from .._save import write_file
 from .._staging import StagingPool
-from .._stream import PartHasher, read_segments, record_cuda_ready, run_all, use_cuda_ready
+from .._stream import Bytes, PartHasher, read_segments, record_cuda_ready, run_all, use_cuda_ready
 from .._workers import DaemonThreadPool
 
 __all__ = ["AiopersistReader", "AiopersistWriter", "FenceStager"]
@@ -278,13 +277,11 @@ class FenceStager:
         fence = self._fence
         if fence is None:
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not fence.wait(0.05):
-            if upload is not None and upload.done():
-                upload.result()  # raises the save's error
-                return  # the save is over: nothing reads the tensors any more
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the save did not stage within {timeout} s")
+        if upload is not None:
+            # The save ended (failed in DCP's planning, or over): nothing reads the tensors.
+            upload.add_done_callback(lambda f: fence.fail(None if f.cancelled() else f.exception()))
+        if not fence.wait(timeout):
+            raise TimeoutError(f"the save did not stage within {timeout} s")
         if fence.error is not None:
             raise fence.error
 
@@ -483,11 +480,11 @@ class AiopersistWriter(StorageWriter):
         return isinstance(checkpoint_id, str | os.PathLike)
 
 
-def _nbytes(piece: bytes | torch.Tensor) -> int:
+def _nbytes(piece: Bytes | torch.Tensor) -> int:
     return piece.numel() * piece.element_size() if isinstance(piece, torch.Tensor) else len(piece)
 
 
-def _pieces(item: WriteItem, planner: SavePlanner) -> list[bytes | torch.Tensor]:
+def _pieces(item: WriteItem, planner: SavePlanner) -> list[Bytes | torch.Tensor]:
     """What one entry of a data file is made of: DCP's bytes for a value that is not a
     tensor; for a tensor, ``torch.save``'s archive around the tensor's own bytes (read
     from the live tensor, on the CPU or the GPU, when the file is written)."""
@@ -495,7 +492,7 @@ def _pieces(item: WriteItem, planner: SavePlanner) -> list[bytes | torch.Tensor]
     if item.type == WriteItemType.BYTE_IO:
         if not isinstance(data, io.BytesIO):
             raise TypeError(f"{item.index.fqn}: the planner resolved a bytes entry to {type(data).__name__}")
-        return [bytes(data.getbuffer())]
+        return [data.getbuffer()]  # written from the planner's buffer, not a copy of it
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"{item.index.fqn}: the planner resolved a tensor entry to {type(data).__name__}")
     t = data.detach()
@@ -512,7 +509,7 @@ async def _write_rank_file(
     rel: str,
     directory: int,
     items: Sequence[WriteItem],
-    pieces: Sequence[list[bytes | torch.Tensor]],
+    pieces: Sequence[list[Bytes | torch.Tensor]],
     staged: Callable[[], None] | None = None,
 ) -> list[WriteResult]:
     """One rank's data file: every entry in order, checksummed as a whole and entry by
@@ -602,26 +599,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _read_small(path: str, limit: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise CheckpointCorruptError(
-                f"{path}: {size} bytes, more than the {limit} a DCP .metadata may have"
-            )
-        chunks = []
-        while size > 0:
-            chunk = os.read(fd, size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 class AiopersistReader(StorageReader):
     """A DCP ``StorageReader`` on aiopersist's engine; see the module docstring.
 
@@ -693,7 +670,7 @@ class AiopersistReader(StorageReader):
             raise CheckpointNotFoundError(
                 f"{root}: no torch.distributed.checkpoint here (no {METADATA_FILE})"
             )
-        raw = _read_small(meta_path, MAX_METADATA_BYTES)
+        raw = read_small(meta_path, MAX_METADATA_BYTES)
         if manifest is not None:
             rec = manifest.files.get(METADATA_FILE)
             if rec is None:
@@ -718,8 +695,6 @@ class AiopersistReader(StorageReader):
         return metadata
 
     def _check_record(self, root: str, index: object, info: object) -> None:
-        from .._manifest import safe_file_name
-
         where = f"{root}/{METADATA_FILE}: {index}"
         if not isinstance(info, _StorageInfo):
             raise CheckpointCorruptError(f"{where}: not a storage record")
@@ -749,14 +724,7 @@ class AiopersistReader(StorageReader):
                     f"{where}: bytes {info.offset}+{info.length} of {name} are no checked entry"
                 )
         elif name not in self._sizes:
-            path = os.path.join(root, name)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                raise CheckpointCorruptError(f"{where}: {name} is missing") from None
-            if not os.path.isfile(path) or os.path.islink(path):
-                raise CheckpointCorruptError(f"{where}: {name} is not a plain file")
-            self._sizes[name] = st.st_size
+            self._sizes[name] = regular_size(os.path.join(root, name), where)
         if info.offset + info.length > self._sizes[name]:
             raise CheckpointCorruptError(
                 f"{where}: bytes {info.offset}+{info.length} run past the end of {name}"
