@@ -25,7 +25,12 @@ import torch
 from . import _knobs
 from ._exceptions import RankFailedError
 
-_groups: dict[object, Any] = {}
+# The checkpoint's own gloo groups, by the group they serve (None: the default group).
+# Each entry keeps the default group and the served group it was made under: after
+# destroy_process_group() and a new init_process_group() those are new objects, and the
+# cached group (destroyed with the old world) must not be used, nor one cached under a
+# recycled id().
+_groups: dict[object, tuple[Any, Any, Any]] = {}
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,9 @@ def coordinator(group: Any = None) -> Coordinator | None:
     if world <= 1:
         return None
     key = id(group) if group is not None else None
-    gloo = _groups.get(key)
+    world_group = dist.group.WORLD
+    entry = _groups.get(key)
+    gloo = entry[2] if entry is not None and entry[0] is world_group and entry[1] is group else None
     if gloo is None:
         ranks = None if group is None else dist.get_process_group_ranks(group)
         timeout = datetime.timedelta(seconds=_knobs.dist_timeout())
@@ -114,13 +121,13 @@ def coordinator(group: Any = None) -> Coordinator | None:
                 f"making the checkpoint's gloo group failed (a rank died or did not call save within "
                 f"{timeout.total_seconds():.0f} s): {exc}"
             ) from exc
-        _groups[key] = gloo
+        _groups[key] = (world_group, group, gloo)
     rank = dist.get_rank(group)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     return Coordinator(rank, world, local_rank, gloo)
 
 
-_process0_groups: dict[object, Any] = {}
+_process0_groups: dict[object, tuple[Any, Any]] = {}  # id(checkpoint group) -> (it, process 0's group)
 
 
 def process0_group(coord: Coordinator) -> Any:
@@ -133,6 +140,7 @@ def process0_group(coord: Coordinator) -> Any:
     import torch.distributed as dist
 
     key = id(coord.group)
-    if key not in _process0_groups:
-        _process0_groups[key] = dist.new_group([0], backend="gloo")
-    return _process0_groups[key]
+    entry = _process0_groups.get(key)
+    if entry is None or entry[0] is not coord.group:
+        entry = _process0_groups[key] = (coord.group, dist.new_group([0], backend="gloo"))
+    return entry[1]

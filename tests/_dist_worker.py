@@ -46,6 +46,29 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         back = await aiopersist.load(paths[0], backend=backend)  # every rank loads it back: its own "mine"
         assert torch.equal(back["mine"], state["mine"]), "rank-local tensor"
         return {"bytes": info.bytes_written, "files": list(info.files)}
+    if name == "reinit":
+        # A job that ends its process group and starts a new one (a second phase, a
+        # script run twice in one process), here with the ranks numbered the other way
+        # round: the checkpoint's gloo group of the first world must not be used for the
+        # second (it would gather the ranks' plans in the old order).
+        state = model_state()
+        await aiopersist.save(state, paths[0] + "-1", replicated=True, backend=backend)
+        dist.destroy_process_group()
+        rank = world - 1 - rank
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{os.path.join(base, 'second-world')}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        state["mine"] = torch.full((1000,), float(rank))
+        info = await aiopersist.save(
+            state, paths[0] + "-2", replicated=lambda n: not n.startswith("mine"), backend=backend
+        )
+        back = await aiopersist.load(paths[0] + "-2", backend=backend)
+        assert torch.equal(back["mine"], state["mine"]), "rank-local tensor"
+        return {"bytes": info.bytes_written, "new_rank": rank, "files": list(info.files)}
     if name == "sharded":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor

@@ -114,6 +114,21 @@ def test_replicated_state_over_two_ranks_and_two_dirs(tmp_path: Path, backend: s
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_new_process_group_after_destroy_gets_a_new_checkpoint_group(tmp_path: Path, backend: str) -> None:
+    # Before, the second save used the gloo group cached under the destroyed world: with
+    # the ranks renumbered it gathered their plans in the old order and committed a
+    # checkpoint its own load found corrupt; with a rank gone it raised a bare ValueError.
+    outs = run_ranks("reinit", tmp_path, backend)
+    assert all("ok" in o for o in outs), outs
+    for old_rank, out in enumerate(outs):
+        assert out["ok"]["new_rank"] == 1 - old_rank
+        assert all(f"rank0000{1 - old_rank}" in f for f in out["ok"]["files"] if f != "aiopersist.json")
+    for new_rank in (0, 1):
+        back = aiopersist.load_sync(tmp_path / "a" / "ck-2", rank=new_rank, backend=backend)
+        assert back["step"] == 7 and torch.equal(back["mine"], torch.full((1000,), float(new_rank)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sharded_dtensors_saved_on_two_ranks_load_whole_in_one(tmp_path: Path, backend: str) -> None:
     outs = run_ranks("sharded", tmp_path, backend)
     assert all("ok" in o for o in outs), outs
