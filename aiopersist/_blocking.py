@@ -426,6 +426,12 @@ class BlockingCheckpointManager(_OnPortal):
     def latest(self) -> int | None:
         return self.manager.latest()
 
+    @property
+    def restored_step(self) -> int | None:
+        """The step the last `restore` loaded (an older one when the newest was damaged),
+        or ``None`` before one."""
+        return self.manager.restored_step
+
     def restore(self, step: int | None = None, *, into: object = None, **kwargs: Any) -> Any:
         """Block while `CheckpointManager.restore` loads the step."""
         return self._portal.call(functools.partial(self.manager.restore, step, into=into, **kwargs))
