@@ -6,7 +6,9 @@ The implementation lives in private modules; this module only re-exports the pub
 from __future__ import annotations
 
 from ._backends import IOBackend as IOBackend
+from ._backends import UringCause as UringCause
 from ._backends import UringProbe as UringProbe
+from ._backends import UringUnavailable as UringUnavailable
 from ._backends import create_backend as create_backend
 from ._backends import open_backend as open_backend
 from ._backends import probe_io_uring as probe_io_uring
@@ -91,7 +93,9 @@ __all__ = [
     "StepInfo",
     "TorchSave",
     "UnsupportedStateError",
+    "UringCause",
     "UringProbe",
+    "UringUnavailable",
     "VerifyReport",
     "__version__",
     "create_backend",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import platform
 import weakref
@@ -13,6 +14,7 @@ from typing import Literal
 
 from .. import _knobs, _native
 from .._exceptions import BackendUnavailableError, CheckpointIOError
+from .._native.status import UringCause, UringUnavailable, classify_setup_error, ring_broken
 from ._base import IOBackend, to_thread_to_the_end, wait_uncancellable
 from ._threads import ThreadsBackend
 
@@ -24,44 +26,53 @@ BACKEND_NAMES: tuple[str, ...] = ("auto", "io_uring", "threads")
 
 @dataclass(frozen=True)
 class UringProbe:
-    """Whether io_uring works in this process, and if not, why."""
+    """Whether io_uring works in this process, and if not, why and what to do.
+
+    ``reason`` is one sentence: what works, or what failed followed by the fix. When
+    unusable, ``problem`` holds the same as fields: its ``cause`` (a
+    [`UringCause`][aiopersist.UringCause]), ``detail`` (with the original error's text)
+    and ``advice``.
+    """
 
     usable: bool
     reason: str
     liburing_version: str | None
+    problem: UringUnavailable | None = None
 
 
 _probe_cache: UringProbe | None = None
 _fallback_logged = False
 
 
+def _unusable(problem: UringUnavailable, version: str | None) -> UringProbe:
+    return UringProbe(False, str(problem), version, problem)
+
+
 def probe_io_uring() -> UringProbe:
     """Check that io_uring really works here: build a ring and complete a NOP on it.
 
     The kernel can refuse at several levels (``kernel.io_uring_disabled``, seccomp, gVisor
-    or an old kernel), so the only honest probe is to try. The answer is cached.
+    or an old kernel), so the only honest probe is to try; a refusal is classified by its
+    errno. The answer is cached.
     """
     global _probe_cache
-    if _probe_cache is not None:
-        return _probe_cache
-    if not _native.has_liburing:
-        _probe_cache = UringProbe(False, _native.unavailable_reason or "native module missing", None)
-        return _probe_cache
+    if _probe_cache is None:
+        _probe_cache = _probe()
+    return _probe_cache
+
+
+def _probe() -> UringProbe:
+    if _native.unavailable is not None:
+        return _unusable(_native.unavailable, None)
     from .._native import binding as uring
 
     version = uring.liburing_version()
-    disabled = uring.io_uring_disabled_sysctl()
-    if disabled == 2:
-        _probe_cache = UringProbe(
-            False, "disabled by the kernel (sysctl kernel.io_uring_disabled=2)", version
-        )
-        return _probe_cache
     try:
         ring = uring.io_uring_queue_init(4)
     except CheckpointIOError as exc:
-        hint = " (kernel.io_uring_disabled=1 restricts it to a group)" if disabled == 1 else ""
-        _probe_cache = UringProbe(False, f"the kernel refused to set up a ring: {exc}{hint}", version)
-        return _probe_cache
+        return _unusable(
+            classify_setup_error(exc.errno or errno.EIO, str(exc), uring.io_uring_disabled_sysctl()), version
+        )
     try:
         sqe = uring.io_uring_get_sqe(ring)
         if sqe is None:
@@ -74,14 +85,10 @@ def probe_io_uring() -> UringProbe:
         if user_data != 42 or res != 0:
             raise RuntimeError(f"NOP completed wrongly (user_data={user_data}, res={res})")
     except (CheckpointIOError, RuntimeError) as exc:
-        _probe_cache = UringProbe(False, f"a ring was set up but did not complete a NOP: {exc}", version)
-        return _probe_cache
+        return _unusable(ring_broken(str(exc)), version)
     finally:
         uring.io_uring_queue_exit(ring)
-    _probe_cache = UringProbe(
-        True, f"io_uring works (liburing {version}, kernel {platform.release()})", version
-    )
-    return _probe_cache
+    return UringProbe(True, f"io_uring works (liburing {version}, kernel {platform.release()})", version)
 
 
 def resolve_backend_name(name: str) -> str:
@@ -102,7 +109,7 @@ def resolve_backend_name(name: str) -> str:
         raise BackendUnavailableError(f"io_uring backend unavailable: {probe.reason}")
     if not _fallback_logged:
         _fallback_logged = True
-        log.warning("aiopersist: io_uring unavailable (%s); using the threads backend", probe.reason)
+        log.warning("aiopersist: io_uring unavailable, using the threads backend: %s", probe.reason)
     return "threads"
 
 
@@ -154,17 +161,36 @@ async def open_backend(name: str = "auto", *, queue_depth: int | None = None) ->
             await entry.backend.aclose()
 
 
+_LIBURING_ROW = {
+    UringCause.SWITCHED_OFF: "not loaded (AIOPERSIST_NATIVE=0)",
+    UringCause.NOT_BUILT: "not built",
+    UringCause.LIBRARY_MISSING: "shared library missing at run time",
+    UringCause.LIBRARY_MISMATCH: "the installed library is older than the module's",
+}
+
+
 def describe_platform() -> dict[str, str]:
-    """What ``aiopersist doctor`` reports about the kernel and the native module."""
+    """What ``aiopersist doctor`` reports about the kernel and the native module; a ``fix``
+    row says what to do when io_uring is unusable."""
     probe = probe_io_uring()
-    return {
+    problem, native = probe.problem, _native.unavailable
+    if probe.liburing_version is not None:
+        liburing = probe.liburing_version
+    elif native is not None:
+        liburing = _LIBURING_ROW.get(native.cause, "unknown (the native module is not loaded)")
+    else:
+        liburing = "unknown"
+    rows = {
         "kernel": f"{platform.system()} {platform.release()}",
-        "io_uring": "usable" if probe.usable else f"unusable: {probe.reason}",
-        "liburing": probe.liburing_version or "not built",
-        "native module": "built" if _native.has_liburing else f"unavailable: {_native.unavailable_reason}",
+        "io_uring": "usable" if probe.usable else f"unusable: {problem.detail if problem else probe.reason}",
+        "liburing": liburing,
+        "native module": "built" if native is None else f"unavailable: {native.detail}",
         "auto backend": "io_uring" if probe.usable else "threads",
-        "queue depth": str(_knobs.queue_depth()),
     }
+    if problem is not None:
+        rows["fix"] = problem.advice
+    rows["queue depth"] = str(_knobs.queue_depth())
+    return rows
 
 
 __all__ = [
@@ -172,7 +198,9 @@ __all__ = [
     "BackendName",
     "IOBackend",
     "ThreadsBackend",
+    "UringCause",
     "UringProbe",
+    "UringUnavailable",
     "create_backend",
     "describe_platform",
     "open_backend",

@@ -1,30 +1,39 @@
 """The optional compiled part: a cffi binding to the system liburing.
 
 ``has_liburing`` says whether the compiled module is importable (and not switched off with
-``AIOPERSIST_NATIVE=0``); ``unavailable_reason`` says why not. Only `binding` touches
-``ffi``/``lib``; everything above it calls the functions there.
+``AIOPERSIST_NATIVE=0``). When it is not, ``unavailable`` says why, classified where the
+import failed (`status.classify_import_error`: never built, built for another Python,
+``liburing.so`` missing at run time, ...), and ``unavailable_reason`` is that as one
+sentence. Only `binding` touches ``ffi``/``lib``; everything above it calls the functions there.
 """
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
+
 from .. import _knobs
+from .status import UringUnavailable, classify_import_error, switched_off
 
 has_liburing: bool
+unavailable: UringUnavailable | None
 unavailable_reason: str | None
 
-if not _knobs.native_enabled():
-    has_liburing = False
-    unavailable_reason = "the native module is switched off (AIOPERSIST_NATIVE=0)"
-else:
-    try:
-        from . import _liburing  # noqa: F401
-    except ImportError as exc:
-        has_liburing = False
-        unavailable_reason = (
-            f"the native io_uring module is not built ({exc}); install liburing-dev and reinstall aiopersist"
-        )
-    else:
-        has_liburing = True
-        unavailable_reason = None
 
-__all__ = ["has_liburing", "unavailable_reason"]
+def _import_compiled() -> UringUnavailable | None:
+    # import_module, not ``from . import _liburing``: inside this package's own
+    # initialisation the latter turns "no such module" into a misleading "cannot import
+    # name ... (most likely due to a circular import)" and loses which module was missing.
+    qualname = f"{__name__}._liburing"
+    try:
+        importlib.import_module(qualname)
+    except ImportError as exc:
+        return classify_import_error(exc, Path(__file__).parent, qualname)
+    return None
+
+
+unavailable = _import_compiled() if _knobs.native_enabled() else switched_off()
+has_liburing = unavailable is None
+unavailable_reason = None if unavailable is None else str(unavailable)
+
+__all__ = ["has_liburing", "unavailable", "unavailable_reason"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -65,3 +66,24 @@ def test_wheel_without_liburing_headers_installs_and_falls_back(tmp_path: Path) 
     assert run.returncode == 0, run.stderr
     assert "native False" in run.stdout
     assert "backend threads" in run.stdout
+    # The warning of that fallback, and doctor in that install, say why and what to do.
+    assert "io_uring unavailable, using the threads backend: the native io_uring module was not built" in (
+        run.stderr
+    )
+    doctor = subprocess.run(
+        [sys.executable, "-m", "aiopersist", "doctor", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert doctor.returncode == 0, doctor.stderr
+    assert "circular import" not in doctor.stdout
+    assert re.search(
+        r"^io_uring\s+unusable: the native io_uring module was not built: liburing's headers",
+        doctor.stdout,
+        re.M,
+    )
+    assert re.search(r"^liburing\s+not built$", doctor.stdout, re.M)
+    assert re.search(r"^fix\s+install liburing-dev .*reinstall aiopersist", doctor.stdout, re.M)
