@@ -37,6 +37,10 @@ from ._staging import StagingPool
 from ._stream import read_segments, run_all, settle
 from ._workers import DaemonThreadPool
 
+Progress = Callable[[int], None]
+"""Called on the event loop's thread with the bytes just read and checked (a window, a
+group or a file), as the read executor completes them."""
+
 
 class _Prefaulter:
     """Faults destination memory in, in file order, in one background thread, so that the
@@ -150,6 +154,7 @@ async def _read_whole(
     rec: FileRecord,
     read: FileRead,
     dests: _Destinations,
+    progress: Progress | None = None,
 ) -> torch.Tensor:
     """Read every byte of one file into its spans' memory and check the file's checksum;
     returns the bytes before the first span (the header, or the whole pickle file)."""
@@ -172,6 +177,8 @@ async def _read_whole(
         for group, task in zip(groups, tasks, strict=True):
             await task
             await asyncio.to_thread(_update, hasher, [d for _, d in group])
+            if progress is not None:
+                progress(sum(d.numel() for _, d in group))
     except BaseException:
         for task in tasks:
             task.cancel()
@@ -187,11 +194,17 @@ def _check_checksum(path: str, rec: FileRecord, actual: str) -> None:
 
 
 async def _check_whole(
-    be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingPool, rec: FileRecord, read: FileRead
+    be: IOBackend,
+    path: str,
+    dio: DirectIOInfo,
+    pool: StagingPool,
+    rec: FileRecord,
+    read: FileRead,
+    progress: Progress | None = None,
 ) -> None:
     """A check-only read of one whole file: its checksum (streamed through the pool) and,
     for a data file, its own header against the byte ranges the manifest places in it."""
-    _check_checksum(path, rec, await _hash_file(be, path, dio, pool, rec.nbytes))
+    _check_checksum(path, rec, await _hash_file(be, path, dio, pool, rec.nbytes, progress))
     if read.header is not None:
         layout = await _read_header(be, path, rec.nbytes)
         found = tuple(
@@ -202,13 +215,21 @@ async def _check_whole(
 
 
 async def _read_spans(
-    be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingPool, read: FileRead, dests: _Destinations
+    be: IOBackend,
+    path: str,
+    dio: DirectIOInfo,
+    pool: StagingPool,
+    read: FileRead,
+    dests: _Destinations,
+    progress: Progress | None = None,
 ) -> None:
     """Read just the spans of one file; those with checksums of their own are checked."""
     memory = [dests.memory(s) for s in read.spans]
     await read_segments(be, path, dio, pool, [(s.begin, m) for s, m in zip(read.spans, memory, strict=True)])
     checked = [(s, m) for s, m in zip(read.spans, memory, strict=True) if s.checksum is not None]
     if not checked:
+        if progress is not None:
+            progress(sum(m.numel() for m in memory))
         return
     actual = await asyncio.to_thread(_digests, [m for _, m in checked])
     for (span, _), got in zip(checked, actual, strict=True):
@@ -216,35 +237,45 @@ async def _read_spans(
             raise CheckpointCorruptError(
                 f"{path}: checksum mismatch in {span.what} (stored {span.checksum}, computed {got})"
             )
+    if progress is not None:
+        progress(sum(m.numel() for m in memory))
 
 
 async def execute_read(
-    be: IOBackend, loc: Located, pool: StagingPool, prefault: _Prefaulter, plan: ReadPlan
+    be: IOBackend,
+    loc: Located,
+    pool: StagingPool,
+    prefault: _Prefaulter,
+    plan: ReadPlan,
+    progress: Progress | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[object] | None]:
     """Run a `ReadPlan`: the needed tensors, checked, and the unpickled objects (when the
-    plan reads the pickle file)."""
+    plan reads the pickle file). ``progress`` is told of the bytes read and checked as they
+    are (see `Progress`)."""
     dests = _Destinations(plan, loc, pool, prefault)
     prefault.start()
     manifest = loc.manifest
 
     async def one(read: FileRead) -> None:
         if manifest is None:  # a plain safetensors file: named by its path
-            await _read_spans(be, read.file, loc.dio, pool, read, dests)
+            await _read_spans(be, read.file, loc.dio, pool, read, dests, progress)
             return
         rec = manifest.files[read.file]
         path = loc.path_of(rec)
         if read.whole and not read.spans:  # check-only (verify): nothing to keep
-            await _check_whole(be, path, loc.dio, pool, rec, read)
+            await _check_whole(be, path, loc.dio, pool, rec, read, progress)
         elif read.whole:
-            await _read_whole(be, path, loc.dio, pool, rec, read, dests)
+            await _read_whole(be, path, loc.dio, pool, rec, read, dests, progress)
         else:
-            await _read_spans(be, path, loc.dio, pool, read, dests)
+            await _read_spans(be, path, loc.dio, pool, read, dests, progress)
 
     jobs: list[Any] = [one(read) for read in plan.files]
     if plan.pickle_file is not None and manifest is not None:
         rec = manifest.files[plan.pickle_file]
         jobs.append(
-            _read_whole(be, loc.path_of(rec), loc.dio, pool, rec, FileRead(rec.name, (), True), dests)
+            _read_whole(
+                be, loc.path_of(rec), loc.dio, pool, rec, FileRead(rec.name, (), True), dests, progress
+            )
         )
     done = await run_all(jobs)
     await asyncio.to_thread(dests.finish)
@@ -489,8 +520,16 @@ class VerifyReport:
     """Bytes read and checked: whole files for ``aiopersist``, headers otherwise."""
 
 
-async def _hash_file(be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingPool, size: int) -> str:
-    """xxh3 of a whole file, read through the pool's buffers with several in flight."""
+async def _hash_file(
+    be: IOBackend,
+    path: str,
+    dio: DirectIOInfo,
+    pool: StagingPool,
+    size: int,
+    progress: Progress | None = None,
+) -> str:
+    """xxh3 of a whole file, read through the pool's buffers with several in flight;
+    ``progress`` hears of each window once it is hashed."""
     hasher = new_hasher()
     window = pool.buffer_bytes
     fd = await be.open(path, READ_FLAGS | dio.open_flags)
@@ -519,6 +558,8 @@ async def _hash_file(be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingP
                         await to_thread_to_the_end(hasher.update, part)  # reads the pool's buffer
                 finally:
                     pool.release(buf)
+                if progress is not None:
+                    progress(want)
                 pos += window
         except BaseException:
             for task in tasks:
@@ -534,10 +575,18 @@ async def _hash_file(be: IOBackend, path: str, dio: DirectIOInfo, pool: StagingP
 
 
 @maps_os_errors("verify")
-async def verify(path: PathArg, *, backend: str = "auto") -> VerifyReport:
+async def verify(
+    path: PathArg, *, backend: str = "auto", progress: Callable[[int, int], None] | None = None
+) -> VerifyReport:
     """Check a checkpoint without building it: the manifest, every file's size and
     checksum (streamed: memory stays within the staging pool). Hugging Face directories
     and plain safetensors files have no checksums: their headers are checked.
+
+    ``progress``, if given, is called as the data is checked: ``progress(done, total)``,
+    the bytes checked so far and the bytes to check, each time a window of a file (a
+    staging buffer's worth) has been read and hashed, on the event loop's thread (so it
+    must be quick: draw a progress bar, do no I/O that blocks). It is not called for the
+    formats without checksums, whose headers alone are read.
 
     Raises [`CheckpointCorruptError`][aiopersist.CheckpointCorruptError] (or a sibling)
     naming the file and the fault.
@@ -554,8 +603,18 @@ async def verify(path: PathArg, *, backend: str = "auto") -> VerifyReport:
                 return VerifyReport(where, loc.kind, loc.files, checked)
             plan = plan_verify(loc.manifest)
             prefault = _Prefaulter()
+            counted = None
+            if progress is not None:
+                total = sum(loc.manifest.files[f.file].nbytes for f in plan.files)
+                done = 0
+
+                def counted(n: int) -> None:
+                    nonlocal done
+                    done += n
+                    progress(done, total)
+
             try:
-                await execute_read(be, loc, pool, prefault, plan)
+                await execute_read(be, loc, pool, prefault, plan, counted)
             finally:
                 prefault.close()
             names = tuple(loc.path_of(loc.manifest.files[f.file]) for f in plan.files)

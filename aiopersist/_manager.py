@@ -73,11 +73,14 @@ from ._manifest import dump_manifest
 from ._names import (
     LEFTOVER_MARKERS,
     LOCK_NAME,
+    MANAGER_STEPS,
     MANIFEST_NAME,
     OLD_MARKER,
     PART_RE,
+    STEP_LAYOUTS,
     STEP_RE,
     TRASH_MARKER,
+    StepLayout,
     beside,
     step_name,
 )
@@ -174,7 +177,7 @@ class DirectoryLock:
 
 @dataclass(frozen=True)
 class StepInfo:
-    """One ``step-N`` directory, as found on disk."""
+    """One ``step-N`` directory (or a Trainer's ``checkpoint-N``), as found on disk."""
 
     step: int
     path: str
@@ -182,9 +185,13 @@ class StepInfo:
     """``local`` or ``mirror``."""
     complete: bool
     nbytes: int
-    """Bytes of its files (all parts included), by the manifest; 0 when incomplete."""
+    """Bytes of its files (all parts included), by the manifest (for a stock checkpoint,
+    of every regular file under it); 0 when incomplete."""
     problem: str | None = None
     """Why it is not complete."""
+    kind: str = "aiopersist"
+    """``aiopersist``, or ``stock`` for a checkpoint without a manifest that its
+    framework's own save wrote (see `StepLayout.stock_file`)."""
 
 
 def check_step(path: PathArg) -> tuple[bool, int, str | None]:
@@ -209,9 +216,14 @@ def step_paths(directories: Sequence[str], name: str) -> list[str]:
     return [os.path.join(d, name) for d in directories]
 
 
-def scan(directories: str | Sequence[str], tier: str = "local") -> list[StepInfo]:
+def scan(
+    directories: str | Sequence[str], tier: str = "local", layout: StepLayout = MANAGER_STEPS
+) -> list[StepInfo]:
     """Every ``step-N`` in ``directories`` (one, or the list a save spreads over: each step's
-    parts are looked for in those), by step."""
+    parts are looked for in those), by step. With ``layout=TRAINER_STEPS``, every
+    ``checkpoint-N`` of a Trainer's ``output_dir`` instead: one with a manifest is checked
+    as any aiopersist checkpoint, one without is the stock save's (``kind="stock"``),
+    complete once it has ``trainer_state.json``."""
     dirs = [directories] if isinstance(directories, str) else list(directories)
     directory = dirs[0]
     try:
@@ -222,15 +234,33 @@ def scan(directories: str | Sequence[str], tier: str = "local") -> list[StepInfo
         raise from_os_error(exc, "listdir", directory) from exc
     out = []
     for name in names:
-        m = STEP_RE.match(name)
-        if m is None:
+        step = layout.step_of(name)
+        if step is None:
             continue
         path = os.path.join(directory, name)
         if not os.path.isdir(path):
             continue
+        if layout.stock_file is not None and not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
+            out.append(_stock_step(step, path, tier, layout.stock_file))
+            continue
         complete, nbytes, problem = check_step(step_paths(dirs, name))
-        out.append(StepInfo(int(m.group(1)), path, tier, complete, nbytes, problem))
+        out.append(StepInfo(step, path, tier, complete, nbytes, problem))
     return sorted(out, key=lambda s: s.step)
+
+
+def _stock_step(step: int, path: str, tier: str, stock_file: str) -> StepInfo:
+    """A checkpoint its framework's own save wrote: complete once ``stock_file`` (written
+    last) is there, its size that of every regular file under it (links not followed)."""
+    if not os.path.isfile(os.path.join(path, stock_file)):
+        return StepInfo(step, path, tier, False, 0, f"no {MANIFEST_NAME} nor {stock_file}", "stock")
+    nbytes = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(root, name))
+                if stat.S_ISREG(st.st_mode):
+                    nbytes += st.st_size
+    return StepInfo(step, path, tier, True, nbytes, None, "stock")
 
 
 def delete_step(path: PathArg) -> None:
@@ -272,7 +302,8 @@ def clean_leftovers(directories: Sequence[str]) -> list[str]:
                 # in: a crash between the two leaves the old one complete under this name.
                 step = name[1:].split(OLD_MARKER)[0]
                 final = os.path.join(primary, step)
-                if STEP_RE.match(step) and not os.path.lexists(final):
+                named = any(layout.step_of(step) is not None for layout in STEP_LAYOUTS)
+                if named and not os.path.lexists(final):
                     os.rename(os.path.join(primary, name), final)
                     fsync_directory(primary)
                     continue

@@ -12,13 +12,19 @@ a crash are recognised (and only they are ever removed by aiopersist):
   save's token so that no two saves ever share one;
 - ``.aiopersist-probe-TOKEN``: the scratch file of a direct-I/O probe;
 - ``.aiopersist-manager.lock``: a manager's lock on its directory;
-- ``step-N``: a manager's checkpoint of step ``N``.
+- ``step-N``: a manager's checkpoint of step ``N``;
+- ``checkpoint-N``: a Hugging Face Trainer's checkpoint of step ``N`` in its
+  ``output_dir`` (written by `AioPersistCallback` or by the Trainer's own save).
+
+`StepLayout` names both kinds of numbered checkpoints, so that listing, retention and
+deletion are the same code for a manager's directory and a Trainer's ``output_dir``.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 MANIFEST_NAME = "aiopersist.json"
 PICKLE_FILE = "pickled.bin"
@@ -27,6 +33,9 @@ MODEL_FILE = "model.safetensors"
 """Hugging Face's name of a model's weights in one file."""
 MODEL_INDEX = "model.safetensors.index.json"
 """Hugging Face's index of a sharded model's weights."""
+TRAINER_STATE = "trainer_state.json"
+"""The Hugging Face Trainer's state in a checkpoint (written after the weights and the
+optimizer by the stock save; its ``best_model_checkpoint`` names the best checkpoint)."""
 
 TMP_MARKER = ".aiopersist-tmp-"
 OLD_MARKER = ".aiopersist-old-"
@@ -38,6 +47,41 @@ LOCK_NAME = ".aiopersist-manager.lock"
 PART_PREFIX = "part-"
 PART_RE = re.compile(rf"^{PART_PREFIX}([0-9a-f]{{8,64}})$")
 STEP_RE = re.compile(r"^step-(\d+)$")
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How the checkpoints of numbered steps are named in a directory: ``PREFIX-N``.
+
+    ``stock_file``: for a framework that also writes such checkpoints itself, the file
+    whose presence makes a directory without an aiopersist manifest a complete checkpoint
+    of the framework's own save (``None``: every checkpoint is aiopersist's)."""
+
+    prefix: str
+    pattern: re.Pattern[str]
+    stock_file: str | None = None
+
+    def name(self, step: int) -> str:
+        return f"{self.prefix}{step}"
+
+    def step_of(self, name: str) -> int | None:
+        """The step ``name`` is the checkpoint of, or ``None`` when it is no such name."""
+        m = self.pattern.match(name)
+        return int(m.group(1)) if m is not None else None
+
+    def step_at(self, path: str) -> int | None:
+        """The step of the checkpoint at ``path``, by its last component (wherever the
+        directory is now: a path recorded in another place or by another machine)."""
+        return self.step_of(os.path.basename(os.path.normpath(path)))
+
+
+MANAGER_STEPS = StepLayout("step-", STEP_RE)
+"""A `CheckpointManager`'s directory: ``step-N``, all aiopersist checkpoints."""
+TRAINER_STEPS = StepLayout("checkpoint-", CHECKPOINT_RE, TRAINER_STATE)
+"""A Hugging Face Trainer's ``output_dir``: ``checkpoint-N``, written by
+`AioPersistCallback` (with a manifest) or by the stock save (``trainer_state.json`` last)."""
+STEP_LAYOUTS = (MANAGER_STEPS, TRAINER_STEPS)
 
 
 def beside(final: str, marker: str, token: str) -> str:
@@ -58,4 +102,4 @@ def part_dir(directory: str, token: str) -> str:
 
 
 def step_name(step: int) -> str:
-    return f"step-{step}"
+    return MANAGER_STEPS.name(step)

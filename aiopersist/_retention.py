@@ -8,6 +8,11 @@ are added by `to_delete`, not left to the policy.
     KeepLast(3)                      the newest three
     KeepLast(3) | KeepEvery(1000)    and every thousandth step, for good
     KeepSteps({500})                 a step pinned by hand (with another policy)
+
+`SaveTotalLimit` is the Hugging Face Trainer's ``save_total_limit`` rule (the best
+checkpoint counted among those kept), which the Trainer integration and ``aiopersist gc``
+on a Trainer's ``output_dir`` apply; `to_delete`'s ``incomplete`` covers the broken
+checkpoints that such a directory may hold.
 """
 
 from __future__ import annotations
@@ -81,6 +86,32 @@ class KeepSteps(Retention):
 
 
 @dataclass(frozen=True)
+class SaveTotalLimit(Retention):
+    """The Hugging Face Trainer's ``save_total_limit=n``: ``n`` steps in all, the newest,
+    with the ``best`` step (``best_model_checkpoint``) among them. The newest and the best
+    are protected, the oldest others go until ``n`` remain; so a best older than the
+    newest ``n`` takes the place of the oldest of them, and with ``n=1`` the newest stays
+    beside it. A ``best`` that is not among the steps still counts as one kept, as in the
+    stock rule (``transformers.trainer_utils.rotate_checkpoints``). Without ``best``,
+    this is `KeepLast` ``(n)``."""
+
+    n: int
+    best: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("SaveTotalLimit(n)", self.n)
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        if not steps:
+            return set()
+        protected = {steps[-1]} if self.best is None else {steps[-1], self.best}
+        kept = protected & set(steps)
+        others = [s for s in steps if s not in protected]
+        room = max(self.n, len(protected)) - len(kept)
+        return kept | set(others[len(others) - room :] if room > 0 else [])
+
+
+@dataclass(frozen=True)
 class KeepAll(Retention):
     """Every step: nothing is deleted."""
 
@@ -105,25 +136,36 @@ class KeepAny(Retention):
         return kept
 
 
-def policy_of(keep_last: int | None, keep_every: int | None) -> Retention:
+def policy_of(keep_last: int | None, keep_every: int | None, *, best: int | None = None) -> Retention:
     """The policy the manager's ``keep_last``/``keep_every`` shorthands name: the newest
     ``keep_last`` and every multiple of ``keep_every``; without ``keep_last``, every step
-    (``keep_every`` alone deletes nothing)."""
+    (``keep_every`` alone deletes nothing). With ``best`` (a Trainer's best checkpoint),
+    ``keep_last`` is the Trainer's ``save_total_limit``: `SaveTotalLimit`."""
     if keep_last is None:
         return KeepAll()
-    policy: Retention = KeepLast(keep_last)
+    policy: Retention = KeepLast(keep_last) if best is None else SaveTotalLimit(keep_last, best)
     if keep_every is not None:
         policy = policy | KeepEvery(keep_every)
     return policy
 
 
-def to_delete(steps: Sequence[int], policy: Retention, protected: Collection[int] = ()) -> list[int]:
+def to_delete(
+    steps: Sequence[int],
+    policy: Retention,
+    protected: Collection[int] = (),
+    *,
+    incomplete: Collection[int] = (),
+) -> list[int]:
     """The complete ``steps`` that ``policy`` lets go, ascending: never the newest, nor
-    any of ``protected``."""
+    any of ``protected``. The ``incomplete`` steps (broken checkpoints, which nothing can
+    resume from) older than the newest complete one go too, unless protected; newer ones
+    are left alone (a save may be writing them), and without a complete step none goes."""
     ordered = sorted(set(steps))
     if not ordered:
         return []
     keep = policy.keep(ordered)
     keep.add(ordered[-1])  # never the newest complete one
     keep |= set(protected)
-    return [s for s in ordered if s not in keep]
+    doomed = {s for s in ordered if s not in keep}
+    doomed |= {s for s in incomplete if s < ordered[-1] and s not in protected}
+    return sorted(doomed)

@@ -18,12 +18,13 @@ import time
 import traceback
 import unicodedata
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
 
     from .._format import FileLayout
+    from .._manager import StepInfo
     from .._manifest import Manifest
 
 from .._backends import describe_platform, probe_io_uring
@@ -36,6 +37,7 @@ from .._exceptions import (
     UnsupportedStateError,
     maps_os_errors,
 )
+from .progress import Progress, human
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -513,15 +515,6 @@ def _describe_manifest(target: str, m: Manifest, places: Sequence[str]) -> dict[
     )
 
 
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> list[str]:
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
     lines = []
@@ -592,8 +585,8 @@ def format_description(doc: Mapping[str, Any]) -> str:
     file_rows = []
     for f in files:
         note = f["problem"] or ("pickled objects" if f["name"] == doc["pickle_file"] else "")
-        file_rows.append([f["name"], str(f["bytes"]), f["checksum"] or "-", note])
-    lines += _table(["name", "bytes", "checksum", "note"], file_rows, right=[1])
+        file_rows.append([f["name"], human(f["bytes"]), f["checksum"] or "-", note])
+    lines += _table(["name", "size", "checksum", "note"], file_rows, right=[1])
 
     tensors = doc["tensors"]
     lines += ["", "tensors:"]
@@ -609,9 +602,9 @@ def format_description(doc: Mapping[str, Any]) -> str:
         if t["numpy"]:
             notes.append("numpy array")
         shape = "[" + ", ".join(str(s) for s in t["shape"]) + "]"
-        tensor_rows.append([t["name"], t["dtype"], shape, str(t["bytes"]), t["file"], ", ".join(notes)])
+        tensor_rows.append([t["name"], t["dtype"], shape, human(t["bytes"]), t["file"], ", ".join(notes)])
     if tensor_rows:
-        lines += _table(["name", "dtype", "shape", "bytes", "file", "note"], tensor_rows, right=[3])
+        lines += _table(["name", "dtype", "shape", "size", "file", "note"], tensor_rows, right=[3])
     else:
         lines.append("  (none)")
 
@@ -624,7 +617,7 @@ def format_description(doc: Mapping[str, Any]) -> str:
     lines += [
         "",
         f"total: {_plural(tot['tensors'], 'tensor')} ({', '.join(parts)}), "
-        f"{tot['bytes']} bytes of tensor data ({_human(tot['bytes'])})",
+        f"{human(tot['bytes'])} of tensor data",
     ]
     problems = [f["name"] for f in files if f["problem"]]
     if problems:
@@ -645,7 +638,8 @@ def _verify(args: argparse.Namespace) -> int:
     from .._load import verify
 
     try:
-        report = asyncio.run(verify(args.path, backend=args.backend))
+        with Progress("verify") as bar:
+            report = asyncio.run(verify(args.path, backend=args.backend, progress=bar.update))
     except CheckpointNotFoundError as exc:
         print(f"not found: {printable(str(exc))}")
         return 1
@@ -653,7 +647,7 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"corrupt: {printable(str(exc))}")
         return 1
     kind = report.kind
-    line = f"ok: {kind}, {_plural(len(report.files), 'file')}, {report.bytes_checked} bytes checked"
+    line = f"ok: {kind}, {_plural(len(report.files), 'file')}, {human(report.bytes_checked)} checked"
     if kind != "aiopersist":
         line += " (headers only: this format has no checksums)"
     print(line)
@@ -665,47 +659,93 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     from .._manager import scan
+    from .._names import TRAINER_STEPS
 
-    found = scan(_existing_directories(args.dir), "local")
+    directories = _existing_directories(args.dir)
+    found = scan(directories, "local")
+    trainer = scan(directories[0], "local", TRAINER_STEPS)
+    found += trainer
     if args.mirror:
         found += scan(_existing_directories([args.mirror])[0], "mirror")
-    found.sort(key=lambda s: (s.step, s.tier != "local"))
+    found.sort(key=lambda s: (s.step, s.tier != "local", os.path.basename(s.path)))
+    best_step = _trainer_best(trainer, strict=False)
+    best = next((c for c in trainer if c.step == best_step), None)
     if args.json:
         doc = [
             {
                 "step": s.step,
+                "name": os.path.basename(s.path),
                 "tier": s.tier,
+                "kind": s.kind,
                 "path": s.path,
                 "complete": s.complete,
                 "bytes": s.nbytes,
                 "problem": s.problem,
+                "best": s is best,
             }
             for s in found
         ]
         print(json.dumps(doc, indent=2))
         return 0
-    leftovers = _leftovers_in(os.path.abspath(args.dir[0]))
+    leftovers = _leftovers_in(directories[0])
     if not found:
-        print(f"no step-N checkpoints in {args.dir[0]}" + (f" or {args.mirror}" if args.mirror else ""))
+        print(
+            f"no step-N or checkpoint-N checkpoints in {args.dir[0]}"
+            + (f" or {args.mirror}" if args.mirror else "")
+        )
         _print_leftovers(leftovers)
         return 0
     rows = [
         [
             str(s.step),
+            printable(os.path.basename(s.path)),
             s.tier,
+            s.kind,
             "yes" if s.complete else "NO",
-            _human(s.nbytes) if s.complete else "-",
-            printable(s.problem or ""),
+            human(s.nbytes) if s.complete else "-",
+            printable(s.problem or "") or ("best (trainer_state.json)" if s is best else ""),
         ]
         for s in found
     ]
-    print("\n".join(_table(["step", "tier", "complete", "size", "problem"], rows, right=(0, 3))))
+    headers = ["step", "name", "tier", "kind", "complete", "size", "note"]
+    print("\n".join(_table(headers, rows, right=(0, 5))))
     _print_leftovers(leftovers)
     return 0
 
 
+def _trainer_best(checkpoints: Sequence[StepInfo], *, strict: bool) -> int | None:
+    """The step of the best checkpoint (``best_model_checkpoint``) that the newest
+    ``trainer_state.json`` of a Trainer's complete ``checkpoint-N`` records, known by its
+    name wherever the run was; ``None`` when none records one. One that cannot be read
+    raises `ValueError` when ``strict`` (gc must not guess what to keep), else is ``None``."""
+    from .._names import TRAINER_STATE, TRAINER_STEPS
+
+    for c in sorted(checkpoints, key=lambda c: c.step, reverse=True):
+        path = os.path.join(c.path, TRAINER_STATE)
+        if not c.complete or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                state = json.load(f)
+            best = state.get("best_model_checkpoint") if isinstance(state, dict) else None
+            if not isinstance(state, dict) or not isinstance(best, str | None):
+                raise ValueError("not a Trainer state with a best_model_checkpoint")
+            step = TRAINER_STEPS.step_at(best) if best else None
+            if best and step is None:
+                raise ValueError(f"best_model_checkpoint {best!r} names no checkpoint-N")
+        except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+            if strict:
+                raise ValueError(
+                    f"{path}: cannot tell the best checkpoint: {exc}; nothing was deleted"
+                ) from exc
+            return None
+        return step
+    return None
+
+
 def _leftovers_in(directory: str) -> list[str]:
-    """What interrupted saves and deletions left in a manager's directory."""
+    """What interrupted saves and deletions left in a manager's directory (or a Trainer's
+    ``output_dir``)."""
     from .._names import LEFTOVER_MARKERS
 
     return sorted(n for n in os.listdir(directory) if any(m in n for m in LEFTOVER_MARKERS))
@@ -750,39 +790,87 @@ def _gc(args: argparse.Namespace) -> int:
 def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
     from .._locate import read_manifest
     from .._manager import clean_leftovers, delete_step, scan, step_paths
-    from .._names import step_name
+    from .._names import TRAINER_STEPS, step_name
     from .._retention import policy_of, to_delete
 
     directory = directories[0]
-    complete = [s for s in scan(directories) if s.complete]
-    doomed = to_delete([s.step for s in complete], policy_of(args.keep_last, args.keep_every))
-    leftovers = _leftovers_in(directory) if args.leftovers and os.path.isdir(directory) else []
-    verb = "deleting" if args.apply else "would delete"
-    for s in complete:
-        if s.step in doomed:
-            print(f"{verb} step-{s.step} ({_human(s.nbytes)})")
-    for name in leftovers:
-        print(f"{'removing' if args.apply else 'would remove'} leftover {name}")
-    kept = [s.step for s in complete if s.step not in doomed]
-    print(
-        f"keeping {len(kept)} complete step{'s' if len(kept) != 1 else ''}"
-        + (f": {', '.join(map(str, kept))}" if kept else "")
+    retention = args.keep_last is not None
+    # A manager's step-N: its retention; incomplete ones are left alone.
+    steps = [s for s in scan(directories) if s.complete]
+    gone = set(to_delete([s.step for s in steps], policy_of(args.keep_last, args.keep_every)))
+    doomed_steps = [s for s in steps if s.step in gone]
+    # A Trainer's checkpoint-N: save_total_limit's rotation, the best one kept; broken ones
+    # older than the newest complete one go too (nothing resumes from them).
+    ckpts = scan(directory, "local", TRAINER_STEPS)
+    best = _trainer_best(ckpts, strict=True) if retention else None
+    gone = set(
+        to_delete(
+            [c.step for c in ckpts if c.complete],
+            policy_of(args.keep_last, args.keep_every, best=best),
+            protected=() if best is None else (best,),
+            incomplete=[c.step for c in ckpts if not c.complete] if retention else (),
+        )
     )
+    doomed_ckpts = [c for c in ckpts if c.step in gone]
+    leftovers = _leftovers_in(directory) if args.leftovers and os.path.isdir(directory) else []
+
+    verb = "deleting" if args.apply else "would delete"
+    for s in doomed_steps:
+        print(f"{verb} step-{s.step} ({human(s.nbytes)})")
+    for c in doomed_ckpts:
+        what = f"{c.kind}, {human(c.nbytes)}" if c.complete else f"{c.kind}, incomplete"
+        print(f"{verb} {os.path.basename(c.path)} ({what})")
+    for name in leftovers:
+        print(f"{'removing' if args.apply else 'would remove'} leftover {printable(name)}")
+    kept = [str(s.step) for s in steps if s not in doomed_steps]
+    if steps or not ckpts:
+        print(f"keeping {_plural(len(kept), 'complete step')}" + (f": {', '.join(kept)}" if kept else ""))
+    if ckpts:
+        kept = [
+            f"{c.step} (best)" if c.step == best else str(c.step)
+            for c in ckpts
+            if c.complete and c not in doomed_ckpts
+        ]
+        print(
+            f"keeping {_plural(len(kept), 'complete Trainer checkpoint')}"
+            + (f": {', '.join(kept)}" if kept else "")
+        )
     if not args.apply:
-        if doomed or leftovers:
+        if doomed_steps or doomed_ckpts or leftovers:
             print("dry run: pass --apply to delete")
         return 0
-    for step in doomed:
-        paths = step_paths(directories, step_name(step))
-        parts = len(read_manifest(paths[0]).directories) - 1
+    step_dirs = {s.step: step_paths(directories, step_name(s.step)) for s in doomed_steps}
+    for s in doomed_steps:
+        parts = len(read_manifest(step_dirs[s.step][0]).directories) - 1
         if parts > len(directories) - 1:
             print(
-                f"note: step-{step} has parts on {parts} other disks; they stay until a manager "
+                f"note: step-{s.step} has parts on {parts} other disks; they stay until a manager "
                 "with all its directories starts, or `gc` is given them"
             )
-        delete_step(paths)
+    count, deleted = len(doomed_steps) + len(doomed_ckpts), 0
+
+    def one_more(bar: Progress, nbytes: int) -> None:
+        nonlocal deleted
+        deleted += 1
+        bar.add(nbytes, note=f"{deleted} of {count} deleted")
+
+    with Progress("gc", sum(s.nbytes for s in [*doomed_steps, *doomed_ckpts])) as bar:
+        for s in doomed_steps:
+            delete_step(step_dirs[s.step])
+            one_more(bar, s.nbytes)
+        failed: list[str] = []
+        if doomed_ckpts:
+            from ..integrations._common import delete_checkpoints
+
+            sizes = {c.path: c.nbytes for c in doomed_ckpts}
+            failed = delete_checkpoints(list(sizes), done=lambda p: one_more(bar, sizes[p]))
     if args.leftovers:
         clean_leftovers(directories)
+    if failed:
+        print(
+            f"aiopersist gc: could not delete cleanly: {', '.join(map(printable, failed))}", file=sys.stderr
+        )
+        return 1
     return 0
 
 
@@ -803,9 +891,8 @@ def _leaves(obj: object, parts: list[str]) -> Iterator[tuple[list[str], object]]
 
 def _named_tensors(state: object) -> tuple[dict[str, torch.Tensor], int, int]:
     """The tensors in ``state`` under dotted names (as the manifest names them), numpy
-    arrays as tensors, storage shared between them broken by copies (safetensors refuses
-    shared or non-contiguous tensors). Also the number of numpy arrays converted and of
-    other leaves (scalars, strings, ...) left out."""
+    arrays as tensors. Also the number of numpy arrays converted and of other leaves
+    (scalars, strings, ...) left out."""
     import numpy as np
     import torch
 
@@ -832,16 +919,49 @@ def _named_tensors(state: object) -> tuple[dict[str, torch.Tensor], int, int]:
         else:
             taken.discard(name)
             others += 1
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[str, int]] = set()
-    for name, t in found:
-        key = (str(t.device), t.untyped_storage().data_ptr())
-        if key in seen or not t.is_contiguous():
-            t = t.contiguous().clone()
-        else:
-            seen.add(key)
-        out[name] = t
-    return out, arrays, others
+    return dict(found), arrays, others
+
+
+_WRITE_CHUNK = 16 << 20
+"""Bytes written at a time by ``convert`` (the progress line moves by as much)."""
+
+
+def _write_safetensors(tmp: str, tensors: Mapping[str, torch.Tensor], bar: Progress) -> None:
+    """``tensors`` as one safetensors file with the metadata ``{"format": "pt"}``, laid
+    out by the code that lays out aiopersist's own data files. Each tensor is written from
+    its own memory (copied only when not contiguous), so tensors that share memory are
+    written each in full; ``bar`` hears of every chunk written."""
+    import torch
+
+    from .._format import layout_file, supported_dtype
+
+    for name, t in tensors.items():
+        if not supported_dtype(t.dtype):
+            raise ValueError(f"{name}: dtype {t.dtype} cannot be stored in a safetensors file")
+    layout = layout_file([(n, t.dtype, t.shape) for n, t in tensors.items()], {"format": "pt"}, alignment=8)
+    with open(tmp, "wb") as f:
+        f.write(layout.header)
+        bar.add(len(layout.header))
+        for t in tensors.values():
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
+            for pos in range(0, len(data), _WRITE_CHUNK):
+                bar.add(f.write(data[pos : pos + _WRITE_CHUNK]))
+
+
+class _CountingFile:
+    """A binary file for ``torch.save`` that tells ``bar`` of every write."""
+
+    def __init__(self, f: Any, bar: Progress) -> None:
+        self._f = f
+        self._bar = bar
+
+    def write(self, data: Any) -> int:
+        n = int(self._f.write(data))
+        self._bar.add(n)
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
 
 
 def _fsync_path(path: str, *, directory: bool = False) -> None:
@@ -890,16 +1010,13 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"aiopersist: error: {args.path}: cannot convert: {exc}", file=sys.stderr)
         return 1
     if args.to == "safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError as exc:
-            raise RuntimeError(f"--to safetensors needs the safetensors package ({exc})") from exc
         tensors, arrays, others = _named_tensors(state)
         if not tensors:
             print(f"aiopersist: error: {args.path} holds no tensors: nothing to convert", file=sys.stderr)
             return 1
-        _publish(out, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-        print(f"wrote {out}: safetensors, {_plural(len(tensors), 'tensor')}, {os.path.getsize(out)} bytes")
+        with Progress("convert") as bar:
+            _publish(out, lambda tmp: _write_safetensors(tmp, tensors, bar))
+        print(f"wrote {out}: safetensors, {_plural(len(tensors), 'tensor')}, {human(os.path.getsize(out))}")
         if arrays:
             print(f"note: numpy arrays stored as tensors: {arrays}")
         if others:
@@ -909,10 +1026,11 @@ def _convert(args: argparse.Namespace) -> int:
 
         def write(tmp: str) -> None:
             with open(tmp, "wb") as f:
-                torch.save(state, f)
+                torch.save(state, cast(Any, _CountingFile(f, bar)))
 
-        _publish(out, write)
-        print(f"wrote {out}: torch.save, {os.path.getsize(out)} bytes")
+        with Progress("convert") as bar:
+            _publish(out, write)
+        print(f"wrote {out}: torch.save, {human(os.path.getsize(out))}")
         import numpy as np
 
         arrays = sum(1 for _, leaf in _leaves(state, []) if isinstance(leaf, np.ndarray))
@@ -1081,18 +1199,32 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--backend", choices=backends, default="auto", help="I/O backend (default: auto)")
     verify.set_defaults(func=_verify)
 
-    ls = sub.add_parser("ls", help="the step-N checkpoints of a CheckpointManager directory")
-    ls.add_argument("dir", nargs="+", help="the manager's directory (its other disks' after it)")
+    ls = sub.add_parser(
+        "ls", help="the step-N of a CheckpointManager directory, the checkpoint-N of a Trainer's output_dir"
+    )
+    ls.add_argument(
+        "dir",
+        nargs="+",
+        help="the manager's directory (its other disks' after it), or a Trainer's output_dir",
+    )
     ls.add_argument("--mirror", help="its mirror too")
     ls.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     ls.set_defaults(func=_ls)
 
-    gc = sub.add_parser("gc", help="apply retention to a CheckpointManager directory (dry run by default)")
-    gc.add_argument("dir", nargs="+", help="the manager's directory (its other disks' after it)")
+    gc = sub.add_parser(
+        "gc",
+        help="retention in a CheckpointManager directory or a Trainer's output_dir (dry run by default)",
+    )
+    gc.add_argument(
+        "dir",
+        nargs="+",
+        help="the manager's directory (its other disks' after it), or a Trainer's output_dir",
+    )
     gc.add_argument(
         "--keep-last",
         type=_positive,
-        help="keep the newest N complete steps (without it: retention is not applied)",
+        help="keep the newest N complete steps; in a Trainer's output_dir, as save_total_limit=N, the best "
+        "one counted (without it: retention is not applied)",
     )
     gc.add_argument("--keep-every", type=_positive, help="and every step divisible by K")
     gc.add_argument(

@@ -74,12 +74,19 @@ def files_written_by(write: Callable[[str], None], beside: str, *, keep: bool = 
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def delete_checkpoints(paths: Sequence[str]) -> None:
+def delete_checkpoints(paths: Sequence[str], done: Callable[[str], None] | None = None) -> list[str]:
     """Delete checkpoints crash-safely (`delete_step`: renamed to a trash name, then
-    removed); one that cannot be is logged and removed as far as it can be."""
+    removed), in the calling thread (never an event loop's); one that cannot be is logged
+    and removed as far as it can be. ``done(path)`` is called after each one. Returns the
+    paths that could not be deleted cleanly."""
+    failed = []
     for path in paths:
         try:
             delete_step(path)
         except OSError as exc:
             log.warning("aiopersist: could not delete %s: %s", path, exc)
             shutil.rmtree(path, ignore_errors=True)
+            failed.append(path)
+        if done is not None:
+            done(path)
+    return failed

@@ -72,14 +72,13 @@ from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode
 from .._commit import remove_path
 from .._dist import coordinator, process0_group
-from .._manager import check_step
-from .._names import MANIFEST_NAME, TMP_MARKER, TRASH_MARKER
+from .._manager import StepInfo, scan
+from .._names import TMP_MARKER, TRAINER_STEPS, TRASH_MARKER
+from .._retention import SaveTotalLimit, to_delete
 from .._save import SaveInfo, TorchSave
 from ._common import delete_checkpoints, files_written_by, gather_objects, torch_bytes
 
 log = logging.getLogger("aiopersist")
-
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 # The save strategies under which the stock Trainer records the best checkpoint.
 _TRACKS_BEST = ("steps", "epoch", "best")
@@ -100,66 +99,31 @@ def _rng_states(distributed: bool = False) -> dict[str, Any]:
     return states
 
 
-def _checkpoints(run_dir: str) -> list[tuple[int, str, bool]]:
-    """Every ``checkpoint-N`` directory: its step, its path, and whether it is complete.
-
-    One with ``aiopersist.json`` is complete when that manifest checks out and every file
-    it lists has its size (no data is read); one without (the stock Trainer's) when it
-    has ``trainer_state.json``, which the Trainer writes after the weights and the
-    optimizer.
-    """
-    try:
-        names = os.listdir(run_dir)
-    except FileNotFoundError:
-        return []
-    found = []
-    for name in names:
-        m = CHECKPOINT_RE.match(name)
-        path = os.path.join(run_dir, name)
-        if m is None or not os.path.isdir(path):
-            continue
-        if os.path.exists(os.path.join(path, MANIFEST_NAME)):
-            complete = check_step(path)[0]
-        else:
-            complete = os.path.isfile(os.path.join(path, "trainer_state.json"))
-        found.append((int(m.group(1)), path, complete))
-    return sorted(found)
+def _checkpoints(run_dir: str) -> list[StepInfo]:
+    """Every ``checkpoint-N`` directory, by step, complete or not (`scan` of the Trainer's
+    layout: one with ``aiopersist.json`` is complete when that manifest checks out and
+    every file it lists has its size, no data read; one without, the stock Trainer's, when
+    it has ``trainer_state.json``, which the Trainer writes after the weights and the
+    optimizer)."""
+    return scan(run_dir, layout=TRAINER_STEPS)
 
 
-def to_rotate(checkpoints: list[tuple[int, str, bool]], limit: int, best: str | None = None) -> list[str]:
+def to_rotate(checkpoints: list[StepInfo], limit: int, best: str | None = None) -> list[str]:
     """What ``save_total_limit=limit`` deletes, by the stock Trainer's rules counting only
-    complete checkpoints: the oldest complete ones go until ``limit`` remain, never the
-    newest (resuming needs it) nor ``best`` (``state.best_model_checkpoint``), so that
+    complete checkpoints (`SaveTotalLimit`): the oldest complete ones go until ``limit``
+    remain, never the newest (resuming needs it) nor ``best``
+    (``state.best_model_checkpoint``, known by its ``checkpoint-N`` name), so that
     ``limit=1`` with an older best keeps two. Incomplete ones older than the newest
     complete one go too (nothing can resume from them); newer ones are left alone, and
     so is ``best`` whatever its state."""
-    complete = [path for _, path, ok in checkpoints if ok]
-    if not complete:
-        return []
-    newest_step = max(step for step, _, ok in checkpoints if ok)
-    kept_best = _same_path_as(best, [path for _, path, _ in checkpoints]) if best is not None else None
-    doomed = {path for step, path, ok in checkpoints if not ok and step < newest_step}
-    if len(complete) > limit:
-        protected = {complete[-1]}
-        if best is not None:
-            # As the stock rule: the best counts as kept even when it is not on disk.
-            protected.add(kept_best or best)
-        remaining = len(complete)
-        for path in complete:
-            if remaining <= max(limit, len(protected)):
-                break
-            if path not in protected:
-                doomed.add(path)
-                remaining -= 1
-    doomed.discard(kept_best or "")
-    return [path for _, path, _ in checkpoints if path in doomed]
-
-
-def _same_path_as(path: str, candidates: list[str]) -> str | None:
-    """The candidate that names the same directory as ``path`` (the Trainer joins the
-    output directory as given, relative or not)."""
-    wanted = os.path.abspath(path)
-    return next((c for c in candidates if os.path.abspath(c) == wanted), None)
+    best_step = TRAINER_STEPS.step_at(best) if best is not None else None
+    doomed = to_delete(
+        [c.step for c in checkpoints if c.complete],
+        SaveTotalLimit(limit, best_step),
+        protected=() if best_step is None else (best_step,),
+        incomplete=[c.step for c in checkpoints if not c.complete],
+    )
+    return [c.path for c in checkpoints if c.step in doomed]
 
 
 class AioPersistCallback(TrainerCallback):

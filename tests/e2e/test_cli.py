@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import aiopersist
+from aiopersist._cli.progress import human
+from aiopersist._manager import check_step
 from aiopersist._names import LOCK_NAME
 from tests.conftest import URING_OK
 
@@ -18,6 +20,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "aiopersist", *args], capture_output=True, text=True, timeout=300
     )
+
+
+def test_human_sizes() -> None:
+    assert [human(n) for n in (0, 17, 1023, 1024, 512 << 10, 1536, 1023 * 1024 + 1000)] == [
+        "0 B", "17 B", "1023 B", "1 KiB", "512 KiB", "1.5 KiB", "1.0 MiB",
+    ]  # fmt: skip
+    assert human(int(1.9 * (1 << 30))) == "1.9 GiB"
+    assert human(3 << 40) == "3 TiB"
 
 
 def test_doctor_reports_backend_and_direct_io(tmp_path: Path) -> None:
@@ -257,10 +267,15 @@ def test_ls_and_gc(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     table = proc.stdout.split("\n\n")[0]  # the leftovers follow, after a blank line
     rows = [line.split() for line in table.splitlines()[1:]]
-    assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("1", "local", "yes"), ("2", "local", "yes"), ("3", "local", "yes"),
-        ("4", "local", "yes"), ("4", "mirror", "yes"), ("9", "local", "NO"),
+    assert table.splitlines()[0].split() == ["step", "name", "tier", "kind", "complete", "size", "note"]
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
+        ("1", "step-1", "local", "aiopersist", "yes"), ("2", "step-2", "local", "aiopersist", "yes"),
+        ("3", "step-3", "local", "aiopersist", "yes"), ("4", "step-4", "local", "aiopersist", "yes"),
+        ("4", "step-4", "mirror", "aiopersist", "yes"), ("9", "step-9", "local", "aiopersist", "NO"),
     ]  # fmt: skip
+    size = check_step(str(tmp_path / "ck" / "step-1"))[1]  # 1000 float32 and the header
+    assert size > 1024
+    assert " ".join(rows[0][5:7]) == human(size)  # in human units
     assert "leftovers of interrupted saves or deletions (1;" in proc.stdout
     assert "  .step-5.aiopersist-tmp-0123456789ab" in proc.stdout
     doc = json.loads(_cli("ls", str(tmp_path / "ck"), "--json").stdout)

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import aiopersist
+from aiopersist._cli.progress import human
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -103,20 +104,20 @@ def test_inspect_lists_tensors_aliases_and_totals(saved: tuple[Path, dict[str, A
     assert re.search(r"^metadata\s+step: 7$", out, re.M)
     checksum = json.loads((path / "aiopersist.json").read_text())["files"]["state.safetensors"]["checksum"]
     size = (path / "state.safetensors").stat().st_size
-    assert re.search(rf"^\s+state\.safetensors\s+{size}\s+{checksum}$", out, re.M)
+    assert re.search(rf"^\s+state\.safetensors\s+{re.escape(human(size))}\s+{checksum}$", out, re.M)
     assert _row(out, "model.emb.weight") == [
         "model.emb.weight",
         "F32",
         "[256, 64]",
-        "65536",
+        "64 KiB",
         "state.safetensors",
     ]
     assert _row(out, "model.head.weight")[-1] == "-> model.emb.weight"
-    assert _row(out, "model.head.bias")[1:4] == ["F32", "[256]", "1024"]
+    assert _row(out, "model.head.bias")[1:4] == ["F32", "[256]", "1 KiB"]
     assert _row(out, "optim.state.0.momentum_buffer")[1:3] == ["F32", "[256, 64]"]
-    assert _row(out, "mask")[1:4] + _row(out, "mask")[-1:] == ["I64", "[10]", "80", "numpy array"]
-    stored = 65536 + 1024 + 65536 + 1024 + 80
-    assert re.search(rf"^total: 6 tensors \(5 stored, 1 alias\), {stored} bytes of tensor data", out, re.M)
+    assert _row(out, "mask")[1:4] + _row(out, "mask")[-1:] == ["I64", "[10]", "80 B", "numpy array"]
+    # 65536 + 1024 + 65536 + 1024 + 80 bytes
+    assert re.search(r"^total: 6 tensors \(5 stored, 1 alias\), 130\.1 KiB of tensor data$", out, re.M)
 
 
 def test_inspect_json(saved: tuple[Path, dict[str, Any]]) -> None:
@@ -155,9 +156,9 @@ def test_inspect_plain_safetensors_file(tmp_path: Path) -> None:
     out = proc.stdout
     assert re.search(r"^kind\s+safetensors$", out, re.M)
     assert re.search(r"^metadata\s+k: v$", out, re.M)
-    assert _row(out, "a") == ["a", "F32", "[3, 4]", "48", "weights.safetensors"]
-    assert _row(out, "b") == ["b", "BF16", "[5]", "10", "weights.safetensors"]
-    assert re.search(r"^total: 2 tensors \(2 stored\), 58 bytes", out, re.M)
+    assert _row(out, "a") == ["a", "F32", "[3, 4]", "48 B", "weights.safetensors"]
+    assert _row(out, "b") == ["b", "BF16", "[5]", "10 B", "weights.safetensors"]
+    assert re.search(r"^total: 2 tensors \(2 stored\), 58 B of tensor data$", out, re.M)
 
 
 # -- verify -----------------------------------------------------------------------------------
@@ -168,7 +169,8 @@ def test_verify_ok(saved: tuple[Path, dict[str, Any]], backend_name: str) -> Non
     proc = _cli("verify", "--backend", backend_name, str(path))
     size = (path / "state.safetensors").stat().st_size
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip() == f"ok: aiopersist, 1 file, {size} bytes checked"
+    assert proc.stdout.strip() == f"ok: aiopersist, 1 file, {human(size)} checked"
+    assert proc.stderr == ""  # no progress line: stderr is a pipe
 
 
 def test_verify_detects_a_flipped_byte(fresh_copy: Path, backend_name: str) -> None:
@@ -261,3 +263,72 @@ def test_convert_refuses_a_state_without_tensors(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "holds no tensors" in proc.stderr
     assert not out.exists()
+
+
+# -- progress ---------------------------------------------------------------------------------
+
+
+def _cli_on_a_terminal(*args: str) -> tuple[int, str, str]:
+    """Run the command with stderr on a pseudo-terminal (stdout a pipe): exit status,
+    stdout, and what the terminal received."""
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aiopersist", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=slave,
+        )
+    finally:
+        os.close(slave)
+    received = bytearray()
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # EIO: every end of the terminal is closed
+            break
+        if not chunk:
+            break
+        received += chunk
+    os.close(master)
+    assert proc.stdout is not None
+    out = proc.stdout.read().decode()
+    proc.stdout.close()
+    return proc.wait(), out, received.decode()
+
+
+def test_progress_is_drawn_on_a_terminal_and_never_in_a_pipe(tmp_path: Path) -> None:
+    big = tmp_path / "big"
+    aiopersist.save_sync({"w": torch.randn(6 << 20), "v": torch.arange(10)}, big)  # 24 MiB
+    size = sum(p.stat().st_size for p in big.iterdir() if p.name != "aiopersist.json")
+
+    rc, out, tty = _cli_on_a_terminal("verify", str(big))
+    assert rc == 0, tty
+    assert out.strip() == f"ok: aiopersist, 1 file, {human(size)} checked"
+    # The last figures, from the bytes the checksum read, then a new line.
+    assert f"\rverify: {human(size)} / {human(size)} (100%), " in tty
+    assert tty.endswith("\r\n")  # the terminal's end of line
+    piped = _cli("verify", str(big))
+    assert (piped.returncode, piped.stdout, piped.stderr) == (0, out, "")
+
+    for to, name in (("safetensors", "out.safetensors"), ("torch", "out.pt")):
+        rc, out, tty = _cli_on_a_terminal("convert", str(big), "--to", to, str(tmp_path / name))
+        assert rc == 0, tty
+        written = (tmp_path / name).stat().st_size
+        assert f"convert: {human(written)}" in tty, tty  # every byte written, counted
+        piped = _cli("convert", str(big), "--to", to, "--force", str(tmp_path / name))
+        assert piped.returncode == 0
+        assert piped.stderr == ""
+    assert torch.equal(load_file(str(tmp_path / "out.safetensors"))["w"], aiopersist.load_sync(big)["w"])
+
+    with aiopersist.BlockingCheckpointManager(tmp_path / "ck") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((1 << 18,), float(step))}).wait()
+    rc, out, tty = _cli_on_a_terminal("gc", str(tmp_path / "ck"), "--keep-last", "1", "--apply")
+    assert rc == 0, tty
+    assert "deleting step-1" in out
+    assert ", 2 of 2 deleted" in tty  # after each deletion
+    assert "(100%)" in tty
+    assert sorted(n for n in os.listdir(tmp_path / "ck") if n.startswith("step-")) == ["step-3"]

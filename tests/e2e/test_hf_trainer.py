@@ -432,7 +432,7 @@ def test_rotation_counts_only_complete_checkpoints(tmp_path: Path, backend: str)
     ours(5)
     (run / "checkpoint-7").mkdir()  # broken, newer than any complete one
     found = _checkpoints(str(run))
-    assert [(step, ok) for step, _, ok in found] == [
+    assert [(c.step, c.complete) for c in found] == [
         (1, True),
         (2, False),
         (3, True),
@@ -443,7 +443,7 @@ def test_rotation_counts_only_complete_checkpoints(tmp_path: Path, backend: str)
     names = lambda paths: [os.path.basename(p) for p in paths]  # noqa: E731
     assert names(to_rotate(found, 2)) == ["checkpoint-1", "checkpoint-2", "checkpoint-4"]
     assert names(to_rotate(found, 5)) == ["checkpoint-2", "checkpoint-4"]
-    assert to_rotate([(4, str(run / "checkpoint-4"), False)], 1) == []
+    assert to_rotate([c for c in found if c.step == 4], 1) == []
     # The best checkpoint stays, as with the stock rotation: with a limit of 1, the best
     # and the newest. A damaged best is not deleted either, and counts as kept.
     assert names(to_rotate(found, 1, best=str(run / "checkpoint-1"))) == [

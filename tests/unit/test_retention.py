@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from aiopersist import KeepAll, KeepAny, KeepEvery, KeepLast, KeepSteps, Retention
-from aiopersist._retention import policy_of, to_delete
+from aiopersist._retention import SaveTotalLimit, policy_of, to_delete
 
 STEPS = [10, 20, 30, 40, 50, 60]
 
@@ -53,10 +53,11 @@ def test_the_managers_shorthands_name_these_policies() -> None:
         lambda: KeepSteps({"3"}),
         lambda: KeepAny(()),
         lambda: KeepAny((KeepLast(1), 3)),
+        lambda: SaveTotalLimit(0, 3),
     ],
 )
 def test_bad_policies_are_refused_when_made(make: object) -> None:
-    with pytest.raises(ValueError, match=r"KeepLast|KeepEvery|KeepSteps|KeepAny"):
+    with pytest.raises(ValueError, match=r"KeepLast|KeepEvery|KeepSteps|KeepAny|SaveTotalLimit"):
         make()  # type: ignore[operator]
 
 
@@ -64,3 +65,22 @@ def test_a_policy_is_a_retention_and_or_refuses_anything_else() -> None:
     assert isinstance(KeepLast(1), Retention)
     with pytest.raises(TypeError):
         KeepLast(1) | 3  # type: ignore[operator]
+
+
+def test_save_total_limit_counts_the_best_among_those_kept() -> None:
+    """The Trainer's rule (checked against transformers' own rotation on real directories
+    in tests/e2e/test_cli_trainer.py)."""
+    assert SaveTotalLimit(2).keep(STEPS) == KeepLast(2).keep(STEPS)  # no best: the newest
+    assert SaveTotalLimit(2, best=50).keep(STEPS) == {50, 60}  # among the newest: as KeepLast
+    assert SaveTotalLimit(3, best=10).keep(STEPS) == {10, 50, 60}  # it replaces the oldest of them
+    assert SaveTotalLimit(1, best=10).keep(STEPS) == {10, 60}  # with n=1, the newest stays beside it
+    assert SaveTotalLimit(1, best=99).keep(STEPS) == {50, 60}  # a best that is gone still counts
+    assert SaveTotalLimit(1, best=60).keep(STEPS) == {60}
+    assert SaveTotalLimit(3).keep([]) == set()
+    assert to_delete(STEPS, policy_of(2, 30, best=10)) == [20, 40, 50]  # with keep_every: either keeps
+
+
+def test_incomplete_steps_older_than_the_newest_complete_one_go() -> None:
+    assert to_delete([10, 30], KeepLast(5), incomplete=[5, 20, 40]) == [5, 20]  # 40 may be being written
+    assert to_delete([10, 30], KeepLast(5), protected={20}, incomplete=[20]) == []
+    assert to_delete([], KeepLast(1), incomplete=[5]) == []  # no complete step: nothing goes
