@@ -1110,18 +1110,24 @@ def _bar_color(method: str) -> str:
     return "#3182bd"
 
 
-def plot_ckpt(report: CkptReport, path: str) -> None:
-    """A bar chart of ``report`` as an image at ``path`` (PNG by its name): throughput per
-    method (median, with the rounds' range) beside the peak RSS growth, targets drawn in.
-    """
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only backend (``Agg``): no display is needed, and
+    none is touched if there is one. A `RuntimeError` says how to install matplotlib."""
     try:
         import matplotlib
     except ImportError as exc:
         raise RuntimeError("plotting needs matplotlib: pip install matplotlib") from exc
-    # A file-only backend: no display is needed, and none is touched if there is one.
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_ckpt(report: CkptReport, path: str) -> None:
+    """A bar chart of ``report`` as an image at ``path`` (PNG by its name): throughput per
+    method (median, with the rounds' range) beside the peak RSS growth, targets drawn in.
+    """
+    plt = pyplot()
     methods = [r.method for r in report.results]
     colors = [_bar_color(m) for m in methods]
     xs = list(range(len(methods)))
