@@ -401,6 +401,8 @@ def format_demo(report: DemoReport) -> str:
                 else "beyond the baseline's spread"
             )
             lines.append(f"  {m.label}: {_pct(m.overhead_median)}, {verdict}")
+        if any(report.within_noise(m) for m in report.methods[1:]):
+            lines.append("  (more rounds, --rounds, or a machine with nothing else running narrow the noise)")
     lines.append("")
     if report.resumed_from is None:
         lines.append("resumed after SIGKILL with a stock Trainer: NO complete checkpoint to resume from")
@@ -469,6 +471,11 @@ def plot_demo(report: DemoReport, path: str) -> None:
     ax_over.legend(loc="best", fontsize=8)
     ax_over.set_xticks(ox, [m.label for m in others], fontsize=9)
     ax_over.set_xlim(-0.5, len(others) - 0.1)
+    # Scaled to the rounds' overheads; a wider band of noise fills the whole height.
+    values = [100 * o for m in others for o in m.overheads] + [0.0, 10.0]
+    low, high = min(values), max(values)
+    margin = 0.25 * (high - low)
+    ax_over.set_ylim(low - margin, high + 2 * margin)
     ax_over.set_ylabel("overhead over the same round's baseline (%)")
     ax_over.set_title("overhead (bar: median over rounds)", fontsize=11)
     ax_over.grid(axis="y", alpha=0.3)
