@@ -1110,18 +1110,24 @@ def _bar_color(method: str) -> str:
     return "#3182bd"
 
 
-def plot_ckpt(report: CkptReport, path: str) -> None:
-    """A bar chart of ``report`` as an image at ``path`` (PNG by its name): throughput per
-    method (median, with the rounds' range) beside the peak RSS growth, targets drawn in.
-    """
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only backend (``Agg``): no display is needed, and
+    none is touched if there is one. A `RuntimeError` says how to install matplotlib."""
     try:
         import matplotlib
     except ImportError as exc:
         raise RuntimeError("plotting needs matplotlib: pip install matplotlib") from exc
-    # A file-only backend: no display is needed, and none is touched if there is one.
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_ckpt(report: CkptReport, path: str) -> None:
+    """A bar chart of ``report`` as an image at ``path`` (PNG by its name): throughput per
+    method (median, with the rounds' range) beside the peak RSS growth, targets drawn in.
+    """
+    plt = pyplot()
     methods = [r.method for r in report.results]
     colors = [_bar_color(m) for m in methods]
     xs = list(range(len(methods)))
@@ -1154,7 +1160,8 @@ def plot_ckpt(report: CkptReport, path: str) -> None:
     base = report.result(report.baseline)
     want_base = SAVE_VS_TORCH if report.kind == "save" else LOAD_VS_SAFETENSORS
     want_fio = SAVE_VS_FIO if report.kind == "save" else LOAD_VS_FIO
-    top = max(med)
+    # The best round of each method, with its label above it, stays below the legend's row.
+    top = max(m + h for m, h in zip(med, hi, strict=True))
     if fio is not None:
         y = want_fio * fio.gibs_median
         top = max(top, y)
@@ -1166,8 +1173,8 @@ def plot_ckpt(report: CkptReport, path: str) -> None:
             y, color="#3182bd", linestyle=":", linewidth=1.5, label=f"target {want_base:g}x {report.baseline}"
         )
     if fio is not None or base is not None:
-        ax_bw.legend(loc="upper left", fontsize=8, frameon=False)
-    ax_bw.set_ylim(0, top * 1.3)
+        ax_bw.legend(loc="upper center", ncol=2, fontsize=8, framealpha=0.9)
+    ax_bw.set_ylim(0, top * 1.4)
     ax_bw.set_ylabel("GiB/s (median; bars: range over rounds)")
     ax_bw.set_title(f"{report.kind} throughput", fontsize=11)
     ax_bw.set_xticks(xs, methods, rotation=20, ha="right", fontsize=9)

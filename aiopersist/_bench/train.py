@@ -89,6 +89,9 @@ class TrainResult:
     """Median duration of one save (start to durable)."""
     rss_growth_mib: float
     """Peak resident-memory growth over the loop's own, worst round."""
+    round_overheads: tuple[float, ...] = ()
+    """Per round: the median step of the round over ``none``'s median step in the same
+    round, less 1 (the spread of ``overhead``)."""
 
     @property
     def blocked_share(self) -> float:
@@ -385,7 +388,7 @@ def run_train(
             f"{steps} steps x {rounds} rounds per mode\n"
         )
         per_mode: dict[str, dict[str, list[float]]] = {
-            m: {"step": [], "blocked": [], "save": [], "rss": []} for m in modes
+            m: {"step": [], "blocked": [], "save": [], "rss": [], "round": []} for m in modes
         }
         for r in range(rounds):
             order = list(modes[r % len(modes) :]) + list(modes[: r % len(modes)])
@@ -396,6 +399,7 @@ def run_train(
                 per_mode[mode]["blocked"] += blocked
                 per_mode[mode]["save"] += saves
                 per_mode[mode]["rss"].append(growth)
+                per_mode[mode]["round"].append(statistics.median(steps_t[1:]))
                 out.write(
                     f"round {r + 1}/{rounds}  {mode:<10} step {statistics.median(steps_t[1:]):.3f} s"
                     + (f"  blocked/save {statistics.median(blocked):.3f} s" if blocked else "")
@@ -404,9 +408,11 @@ def run_train(
                 out.flush()
         base = statistics.median(per_mode["none"]["step"]) if "none" in per_mode else float("nan")
         results = []
+        base_rounds = per_mode["none"]["round"] if "none" in per_mode else []
         for mode in modes:
             d = per_mode[mode]
             step = statistics.median(d["step"])
+            by_round = tuple(s / b - 1 for s, b in zip(d["round"], base_rounds, strict=False))
             results.append(
                 TrainResult(
                     mode,
@@ -415,6 +421,7 @@ def run_train(
                     statistics.median(d["blocked"]) if d["blocked"] else 0.0,
                     statistics.median(d["save"]) if d["save"] else 0.0,
                     max(d["rss"]),
+                    by_round,
                 )
             )
         pace = {
@@ -435,17 +442,29 @@ def format_train(report: TrainReport) -> str:
         f"aiopersist bench train: {report.params / 1e6:.1f}M parameters + AdamW, checkpoint "
         f"{report.checkpoint_bytes / 2**20:.0f} MiB every step, batch {report.batch}, medians",
         "",
-        "{:<11} {:>7} {:>9} {:>15} {:>7} {:>10} {:>14}".format(
-            "mode", "step s", "overhead", "blocked/save s", "save s", "blocked %", "peak RSS +MiB"
+        "{:<11} {:>7} {:>9} {:>15} {:>15} {:>7} {:>10} {:>14}".format(
+            "mode",
+            "step s",
+            "overhead",
+            "rounds min..max",
+            "blocked/save s",
+            "save s",
+            "blocked %",
+            "peak RSS +MiB",
         ),
     ]
     for r in report.results:
         blocked = f"{r.blocked_seconds:.3f}" if r.mode != "none" else "-"
         share = f"{100 * r.blocked_share:.1f}%" if r.mode != "none" else "-"
         save = f"{r.save_seconds:.2f}" if r.mode != "none" else "-"
+        spread = (
+            f"{100 * min(r.round_overheads):+.0f}%..{100 * max(r.round_overheads):+.0f}%"
+            if r.mode != "none" and r.round_overheads
+            else "-"
+        )
         lines.append(
-            f"{r.mode:<11} {r.step_seconds:>7.3f} {100 * r.overhead:>8.1f}% {blocked:>15} {save:>7} "
-            f"{share:>10} {r.rss_growth_mib:>14.0f}"
+            f"{r.mode:<11} {r.step_seconds:>7.3f} {100 * r.overhead:>8.1f}% {spread:>15} {blocked:>15} "
+            f"{save:>7} {share:>10} {r.rss_growth_mib:>14.0f}"
         )
     if report.python_pace:
         lines.append("")
@@ -482,3 +501,75 @@ def format_train(report: TrainReport) -> str:
                 )
             )
     return "\n".join(lines)
+
+
+def plot_train(report: TrainReport, path: str) -> None:
+    """A chart of ``report`` as an image at ``path`` (PNG by its name): each mode's step
+    overhead over ``none`` (median, with every round's) against the 10% target, beside the
+    time the training thread was blocked per save."""
+    from .ckpt import pyplot
+
+    plt = pyplot()
+    fig, (ax_over, ax_blocked) = plt.subplots(
+        1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]}, layout="constrained"
+    )
+    others = [r for r in report.results if r.mode != "none"]
+    modes = [r.mode for r in others]
+    xs = list(range(len(others)))
+    colors = [_mode_color(m) for m in modes]
+    ax_over.bar(xs, [100 * r.overhead for r in others], color=colors, width=0.6)
+    for x, r in zip(xs, others, strict=True):
+        rounds = [100 * o for o in r.round_overheads]
+        ax_over.plot([x] * len(rounds), rounds, "o", color="#222222", markersize=4)
+        ax_over.annotate(
+            f"{100 * r.overhead:+.0f}%",
+            (x + 0.3, 100 * r.overhead),
+            xytext=(3, 0),
+            textcoords="offset points",
+            ha="left",
+            va="center",
+            fontsize=8,
+        )
+    ax_over.plot([], [], "o", color="#222222", markersize=4, label="one round (its median step over none's)")
+    ax_over.axhline(10, color="#444444", linestyle="--", linewidth=1, label="target: aiopersist +10%")
+    ax_over.axhline(0, color="#444444", linewidth=0.8)
+    ax_over.legend(loc="best", fontsize=8)
+    ax_over.set_xticks(xs, modes, fontsize=9)
+    ax_over.set_xlim(-0.5, len(others) - 0.2)
+    ax_over.set_ylabel("step time over none's (%)")
+    ax_over.set_title("overhead per step (bar: median step over all rounds)", fontsize=11)
+    ax_over.grid(axis="y", alpha=0.3)
+
+    blocked = [1000 * r.blocked_seconds for r in others]
+    ax_blocked.bar(xs, blocked, color=colors, width=0.6)
+    for x, r in zip(xs, others, strict=True):
+        ax_blocked.annotate(
+            f"{1000 * r.blocked_seconds:.0f} ms\n{100 * r.blocked_share:.0f}% of a save",
+            (x, 1000 * r.blocked_seconds),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax_blocked.set_ylim(0, max(blocked, default=0.0) * 1.3 + 1)
+    ax_blocked.set_xticks(xs, modes, fontsize=9)
+    ax_blocked.set_ylabel("training thread blocked per save (ms, median)")
+    ax_blocked.set_title("blocked per save", fontsize=11)
+    ax_blocked.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        f"aiopersist bench train: {report.params / 1e6:.1f}M parameters + AdamW, checkpoint "
+        f"{report.checkpoint_bytes / 2**20:.0f} MiB every step, batch {report.batch}, "
+        f"{report.steps} steps x {report.rounds} round(s)",
+        fontsize=12,
+    )
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _mode_color(mode: str) -> str:
+    if mode in ("fence", "snapshot", "dcp-aiopersist"):
+        return "#e6550d" if mode != "snapshot" else "#fdae6b"
+    if mode == "fio":
+        return "#9e9e9e"
+    return "#3182bd"

@@ -62,12 +62,20 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo_trainer(args: argparse.Namespace) -> int:
-    from .._bench.demo_trainer import run_demo
-
     if args.steps < 2 * args.every:
         print("aiopersist demo-trainer: --steps must be at least twice --every", file=sys.stderr)
         return 2
-    return 0 if run_demo(os.path.abspath(args.dir), steps=args.steps, every=args.every) else 1
+    if args.rounds < 1:
+        print(f"aiopersist demo-trainer: --rounds must be at least 1; got {args.rounds}", file=sys.stderr)
+        return 2
+    from .._bench.demo_trainer import format_demo, plot_demo, run_demo  # transformers: seconds to import
+
+    report = run_demo(os.path.abspath(args.dir), steps=args.steps, every=args.every, rounds=args.rounds)
+    print(format_demo(report))
+    if args.plot:
+        plot_demo(report, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0 if report.matched else 1
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -236,7 +244,7 @@ def _bench_modes(text: str, known: Sequence[str], bench: str) -> tuple[str, ...]
 def _bench_train(args: argparse.Namespace) -> int:
     import torch
 
-    from .._bench.train import DCP_MODES, MODES, format_train, run_train
+    from .._bench.train import DCP_MODES, MODES, format_train, plot_train, run_train
 
     modes = _bench_modes(args.modes, MODES + DCP_MODES, "train")
     if modes is None:
@@ -255,6 +263,9 @@ def _bench_train(args: argparse.Namespace) -> int:
         modes=modes,
     )
     print(format_train(report))
+    if args.plot:
+        plot_train(report, args.plot)
+        print(f"plot written to {args.plot}")
     return 0
 
 
@@ -1099,8 +1110,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the HF Trainer with AioPersistCallback: overhead, and a resume after kill -9",
     )
     trainer.add_argument("--dir", default=".demo-data/trainer", help="where the runs go (emptied first)")
-    trainer.add_argument("--steps", type=int, default=30, help="training steps per run (default: 30)")
+    trainer.add_argument("--steps", type=int, default=20, help="training steps per run (default: 20)")
     trainer.add_argument("--every", type=int, default=5, help="checkpoint every N steps (default: 5)")
+    trainer.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: 4)")
+    trainer.add_argument("--plot", metavar="FILE.png", help="also draw the step times and overheads")
     trainer.set_defaults(func=_demo_trainer)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -1161,6 +1174,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="none,torch.save,fio,fence,snapshot",
         help="comma-separated modes; 'none' is the baseline (default: all but dcp and dcp-aiopersist)",
     )
+    train.add_argument("--plot", metavar="FILE.png", help="also draw the overheads and blocked times")
     train.set_defaults(func=_bench_train)
     gpu = bench_sub.add_parser(
         "gpu", help="a ~1B-parameter GPT training on the GPU, checkpointing every step and every 10"

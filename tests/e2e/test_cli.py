@@ -142,13 +142,22 @@ def test_bench_save_of_many_small_tensors(tmp_path: Path) -> None:
 
 
 def test_bench_train_small(tmp_path: Path) -> None:
+    plot = tmp_path / "train.png"
     proc = _cli(
-        "bench", "train", "--dir", str(tmp_path / "d"), "--rounds", "1", "--steps", "3",
-        "--hidden", "256", "--layers", "2", "--batch", "16",
+        "bench", "train", "--dir", str(tmp_path / "d"), "--rounds", "2", "--steps", "3",
+        "--hidden", "256", "--layers", "2", "--batch", "16", "--plot", str(plot),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {line.split()[0] for line in proc.stdout.splitlines() if line[:1].isalpha()}
     assert {"none", "torch.save", "fence", "snapshot"} <= rows
+    # Each mode's overhead comes with its range over the rounds.
+    for mode in ("torch.save", "fence", "snapshot"):
+        assert re.search(
+            rf"^{re.escape(mode)}\s+[\d.]+\s+-?[\d.]+%\s+[+-]\d+%\.\.[+-]\d+%\s", proc.stdout, re.M
+        )
+    assert f"plot written to {plot}" in proc.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.stat().st_size > 10_000
     pace = next(line for line in proc.stdout.splitlines() if "pure-Python thread's pace" in line)
     assert "fence " in pace
     assert "snapshot " in pace
@@ -307,14 +316,71 @@ def test_ls_and_gc(tmp_path: Path) -> None:
 
 
 def test_demo_trainer_small(tmp_path: Path) -> None:
-    proc = _cli("demo-trainer", "--dir", str(tmp_path / "d"), "--steps", "10", "--every", "2")
+    plot = tmp_path / "demo.png"
+    # Every warning shown, each time (-W always): the demo's own configuration must cause none.
+    proc = subprocess.run(
+        [sys.executable, "-W", "always", "-m", "aiopersist", "demo-trainer", "--dir", str(tmp_path / "d"),
+         "--steps", "8", "--every", "2", "--rounds", "2", "--plot", str(plot)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "MATCH the uninterrupted run" in proc.stdout
-    for label in ("no checkpoints", "stock Trainer saving", "AioPersistCallback"):
-        assert label in proc.stdout
+    assert proc.stderr == ""  # no warning, no progress bar of a library
+    out = proc.stdout
+    assert "MATCH the uninterrupted run" in out
+    # Interleaved, the order reversed in the second round.
+    runs = [line.split(" (")[0].strip() for line in out.splitlines() if line.endswith(" s/step")]
+    order = ["no checkpoints", "stock Trainer saving", "AioPersistCallback"]
+    assert runs == order + order[::-1]
+    # The spread: every run's step times over the rounds, every method's overheads, and
+    # a verdict on the noise for each method.
+    pct = r"[+-]\d+%"
+    assert re.search(r"^no checkpoints\s+[\d.]+\s+[\d.]+\.\.[\d.]+\s+-\s+-", out, re.M), out
+    for label in ("stock Trainer saving", "AioPersistCallback"):
+        assert re.search(rf"^{label}\s+[\d.]+\s+[\d.]+\.\.[\d.]+\s+{pct}\s+{pct}\.\.{pct}\s", out, re.M), out
+        assert re.search(rf"^  {label}: {pct}, (WITHIN NOISE|beyond the baseline's spread)", out, re.M), out
+    assert re.search(r"^noise: the baseline alone moved by \d+% between rounds", out, re.M), out
+    assert re.search(r"^done in \d+ s$", out, re.M)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.stat().st_size > 10_000
 
 
 def test_demo_trainer_rejects_too_few_steps(tmp_path: Path) -> None:
     proc = _cli("demo-trainer", "--dir", str(tmp_path / "d"), "--steps", "3", "--every", "2")
     assert proc.returncode == 2
     assert "--steps" in proc.stderr
+    proc = _cli("demo-trainer", "--dir", str(tmp_path / "d"), "--rounds", "0")
+    assert proc.returncode == 2
+    assert "--rounds must be at least 1; got 0" in proc.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_demo_trainer_says_when_a_difference_is_within_the_noise() -> None:
+    from aiopersist._bench.demo_trainer import DemoReport, Method, Shape, format_demo
+
+    def report(base: tuple[float, ...], aio: tuple[float, ...]) -> DemoReport:
+        methods = (
+            Method("no checkpoints", base, (), None, None),
+            Method(
+                "AioPersistCallback",
+                aio,
+                tuple(a / b - 1 for a, b in zip(aio, base, strict=True)),
+                0.2,
+                1 << 27,
+            ),
+        )
+        return DemoReport(1, Shape(), 20, 5, len(base), methods, "checkpoint-15", "checkpoint-10", True, 9.0)
+
+    # The baseline moved by 19% between rounds; the callback's +4% is within that.
+    noisy = report((0.25, 0.30, 0.27), (0.26, 0.32, 0.28))
+    assert abs(noisy.baseline_spread - 0.05 / 0.27) < 1e-9
+    assert noisy.within_noise(noisy.methods[1])
+    text = format_demo(noisy)
+    assert "noise: the baseline alone moved by 19% between rounds" in text
+    assert "  AioPersistCallback: +4%, WITHIN NOISE" in text
+    assert re.search(
+        r"^AioPersistCallback\s+0\.280\s+0\.260\.\.0\.320\s+\+4%\s+\+4%\.\.\+7%\s", text, re.M
+    ), text
+    # A steady baseline: +30% is a finding.
+    steady = report((0.250, 0.251, 0.250), (0.33, 0.32, 0.33))
+    assert not steady.within_noise(steady.methods[1])
+    assert "  AioPersistCallback: +32%, beyond the baseline's spread" in format_demo(steady)
