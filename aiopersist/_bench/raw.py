@@ -345,8 +345,13 @@ def _check_methods(methods: Sequence[str] | None) -> tuple[str, ...]:
 
 
 def _rotated(seq: tuple[str, ...], by: int) -> tuple[str, ...]:
+    """Round ``by``'s order: rotated by ``by`` and, every other round, reversed. Rotation
+    alone keeps each method's predecessor, and the one after a method that churns memory
+    (1 GiB freed, fresh pages to fault in) pays for it in every round; reversing gives each
+    method both neighbours."""
     k = by % len(seq)
-    return seq[k:] + seq[:k]
+    order = seq[k:] + seq[:k]
+    return order if by % 2 == 0 else order[::-1]
 
 
 def run_raw(
