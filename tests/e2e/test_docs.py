@@ -3,8 +3,10 @@
 - ``python`` blocks run as scripts in a fresh directory, twice in a row in that same
   directory (an example that cannot be run again, for instance because its checkpoint now
   exists, fails). A block whose first lines say ``# torchrun --nproc-per-node N ...`` runs
-  under ``torchrun`` with N processes, as the comment tells a reader to, launched twice;
-  the others run twice in one interpreter, each time as ``__main__`` in a fresh namespace.
+  under ``torchrun`` with N processes, as the comment tells a reader to, launched twice.
+  The others run in a process of their own, forked from one that has imported torch,
+  transformers and accelerate (``tests/_docs_forkserver.py``), twice in that process,
+  each time as ``__main__`` in a fresh namespace.
 - ``console`` blocks: each ``$ aiopersist ...`` line must parse with the CLI's parser.
 - ``bash`` blocks: ``make`` targets must exist in the Makefile, ``aiopersist`` command
   lines must parse, repository files they name must exist, and any other command must be
@@ -20,10 +22,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,14 +78,6 @@ for _b in PYTHON:
     DISTINCT.setdefault(_b.code, []).append(_b)
 KNOWN = {"python", "console", "bash", "json", "text"}
 
-# A script that runs the example twice, each time as __main__ in a fresh namespace: the
-# second run must work in the directory the first one left behind.
-RUNNER = """\
-import runpy, sys
-for attempt in (1, 2):
-    runpy.run_path(sys.argv[1], run_name="__main__")
-"""
-
 
 def test_the_pages_have_the_blocks_this_file_checks() -> None:
     # A broken fence regex would find nothing and pass everything: it must find them all.
@@ -104,27 +101,87 @@ def _env() -> dict[str, str]:
     return env
 
 
+class _ForkServer:
+    """tests/_docs_forkserver.py: torch, transformers and accelerate imported once, a
+    forked child per example (each example still gets a process of its own)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests._docs_forkserver"],
+            cwd=ROOT,
+            env=_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def _reply(self, timeout: float) -> dict[str, int]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError
+        line = self.proc.stdout.readline()
+        assert line, "the fork server died"
+        return dict(json.loads(line))
+
+    def run(self, script: Path, cwd: Path, timeout: float = 280) -> tuple[int, str, str]:
+        assert self.proc.stdin is not None
+        out, err = cwd.parent / "stdout.txt", cwd.parent / "stderr.txt"
+        request = {"script": str(script), "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        pid = self._reply(120)["pid"]
+        try:
+            rc = self._reply(timeout)["rc"]
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            self._reply(60)
+            rc = -signal.SIGKILL
+        return rc, out.read_text(errors="replace"), err.read_text(errors="replace")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def forkserver() -> Iterator[_ForkServer]:
+    server = _ForkServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize(
     "block",
     [same[0] for same in DISTINCT.values()],
     ids=[" = ".join(b.name for b in s) for s in DISTINCT.values()],
 )
-def test_python_block_runs_as_written_twice(block: Block, tmp_path: Path) -> None:
+def test_python_block_runs_as_written_twice(block: Block, tmp_path: Path, forkserver: _ForkServer) -> None:
     script = tmp_path / "example.py"
     script.write_text(block.code, encoding="utf-8")
     work = tmp_path / "work"
     work.mkdir()
     ranks = TORCHRUN.search("\n".join(block.code.splitlines()[:3]))
-    if ranks:  # two launches: the process group is the launcher's, one per run
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-        runs = [[*launcher, ranks.group("n"), str(script)]] * 2
-    else:  # one interpreter, the example run twice as __main__ (imports paid once)
-        runner = tmp_path / "run_twice.py"
-        runner.write_text(RUNNER, encoding="utf-8")
-        runs = [[sys.executable, str(runner), str(script)]]
-    for i, cmd in enumerate(runs, 1):
+    if not ranks:
+        rc, out, err = forkserver.run(script, work)
+        assert rc == 0, f"{block.name} failed:\n{out[-3000:]}\n{err[-6000:]}"
+        return
+    # Under torchrun: two launches (the process group is the launcher's, one per run).
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    for i in (1, 2):
         proc = subprocess.run(
-            cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=280, check=False
+            [*launcher, ranks.group("n"), str(script)],
+            cwd=work,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=280,
+            check=False,
         )
         assert proc.returncode == 0, (
             f"{block.name} failed (launch {i}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
