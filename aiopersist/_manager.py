@@ -40,6 +40,7 @@ import os
 import shutil
 import socket
 import stat
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -686,11 +687,22 @@ class CheckpointManager:
             wanted = [s.step for s in local if s.step not in there]
             self._mirroring.update(wanted)  # local retention leaves them until copied
             keep = set(wanted) - set(to_delete(sorted(there | set(wanted)), self.mirror_retention))
+            copies = [s for s in local if s.step in keep]
+            total = sum(s.nbytes for s in copies)
+            if len(copies) > 1:  # a catch-up (a mirror that was away, a new one): say how far it is
+                log.info("mirror %s: copying %d steps (%d bytes)", self.mirror, len(copies), total)
             try:
-                for s in local:
-                    if s.step in keep:
-                        src = step_paths(self.directories, step_name(s.step))
-                        await asyncio.to_thread(copy_step, src, self.mirror, s.step)
+                done = 0
+                for i, s in enumerate(copies, 1):
+                    src = step_paths(self.directories, step_name(s.step))
+                    started = time.monotonic()
+                    await asyncio.to_thread(copy_step, src, self.mirror, s.step)
+                    done += s.nbytes
+                    seconds = time.monotonic() - started
+                    log.info(
+                        "mirror %s: step %d copied (%d bytes in %.1f s); %d of %d steps, %d of %d bytes",
+                        self.mirror, s.step, s.nbytes, seconds, i, len(copies), done, total,
+                    )  # fmt: skip
             finally:
                 self._mirroring.difference_update(wanted)
             await asyncio.to_thread(self._retain, [self.mirror], self.mirror_retention, "mirror")

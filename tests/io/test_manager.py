@@ -250,8 +250,15 @@ async def test_mirror_unavailable_then_back(tmp_path: Path, backend: str) -> Non
         assert mgr.steps() == [1, 2]
         blocker.unlink()
         blocker.mkdir()  # the mirror is back
-        handle = await mgr.save(3, state_of(3))
-        assert await handle.mirrored == str(mirror / "step-3")
+        with caplog_at_info() as records:
+            handle = await mgr.save(3, state_of(3))
+            assert await handle.mirrored == str(mirror / "step-3")
+        # The catch-up says how far it is, step by step.
+        said = [r.getMessage() for r in records]
+        assert any("copying 3 steps" in m for m in said), said
+        assert [m.split("; ")[1].split(",")[0] for m in said if " copied (" in m] == [
+            "1 of 3 steps", "2 of 3 steps", "3 of 3 steps",
+        ]  # fmt: skip
     assert _names(mirror) == ["step-1", "step-2", "step-3"]  # it caught up
 
 
