@@ -13,13 +13,14 @@ import aiopersist
 from aiopersist._cli.progress import human
 from aiopersist._manager import check_step
 from aiopersist._names import LOCK_NAME
+from tests._forkserver import aiopersist_cli
 from tests.conftest import URING_OK
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "aiopersist", *args], capture_output=True, text=True, timeout=300
-    )
+    """``python -m aiopersist ARGS``, in a process forked from one that has imported torch
+    and the Hugging Face libraries once (tests/_forkserver.py)."""
+    return aiopersist_cli(*args)
 
 
 def test_human_sizes() -> None:

@@ -18,12 +18,13 @@ from safetensors.torch import load_file, save_file
 
 import aiopersist
 from aiopersist._cli.progress import human
+from tests._forkserver import aiopersist_cli
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "aiopersist", *args], capture_output=True, text=True, timeout=300
-    )
+    """``python -m aiopersist ARGS``, in a process forked from one that has imported torch
+    and the Hugging Face libraries once (tests/_forkserver.py)."""
+    return aiopersist_cli(*args)
 
 
 class _Tied(torch.nn.Module):

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 import aiopersist  # noqa: E402
 from aiopersist._cli.progress import human  # noqa: E402
 from aiopersist._retention import SaveTotalLimit, to_delete  # noqa: E402
+from tests._forkserver import aiopersist_cli  # noqa: E402
 from tests.e2e.test_hf_trainer import EVAL, AioPersistCallback, _checkpoint_names, _trainer  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,9 +32,9 @@ BEST_FIRST: dict[str, Any] = {**EVAL, "greater_is_better": True}
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "aiopersist", *args], capture_output=True, text=True, timeout=300
-    )
+    """``python -m aiopersist ARGS``, in a process forked from one that has imported torch
+    and the Hugging Face libraries once (tests/_forkserver.py)."""
+    return aiopersist_cli(*args)
 
 
 def _ls(run: Path) -> list[dict[str, Any]]:

@@ -5,7 +5,7 @@
   exists, fails). A block whose first lines say ``# torchrun --nproc-per-node N ...`` runs
   under ``torchrun`` with N processes, as the comment tells a reader to, launched twice.
   The others run in a process of their own, forked from one that has imported torch,
-  transformers and accelerate (``tests/_docs_forkserver.py``), twice in that process,
+  transformers and accelerate (``tests/_forkserver.py``), twice in that process,
   each time as ``__main__`` in a fresh namespace.
 - ``console`` blocks: each ``$ aiopersist ...`` line must parse with the CLI's parser.
 - ``bash`` blocks: ``make`` targets must exist in the Makefile, ``aiopersist`` command
@@ -20,21 +20,18 @@ Nothing here downloads: the Hugging Face libraries run offline.
 from __future__ import annotations
 
 import json
-import os
 import re
-import select
 import shlex
-import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from aiopersist._cli.main import build_parser
+from tests._forkserver import ForkServer, _offline_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -92,68 +89,7 @@ def test_every_block_names_a_language_this_file_checks(block: Block) -> None:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    env.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    env.pop("RANK", None)
-    return env
-
-
-class _ForkServer:
-    """tests/_docs_forkserver.py: torch, transformers and accelerate imported once, a
-    forked child per example (each example still gets a process of its own)."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests._docs_forkserver"],
-            cwd=ROOT,
-            env=_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-    def _reply(self, timeout: float) -> dict[str, int]:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError
-        line = self.proc.stdout.readline()
-        assert line, "the fork server died"
-        return dict(json.loads(line))
-
-    def run(self, script: Path, cwd: Path, timeout: float = 280) -> tuple[int, str, str]:
-        assert self.proc.stdin is not None
-        out, err = cwd.parent / "stdout.txt", cwd.parent / "stderr.txt"
-        request = {"script": str(script), "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        pid = self._reply(120)["pid"]
-        try:
-            rc = self._reply(timeout)["rc"]
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            self._reply(60)
-            rc = -signal.SIGKILL
-        return rc, out.read_text(errors="replace"), err.read_text(errors="replace")
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-        self.proc.stdout.close()
-
-
-@pytest.fixture(scope="module")
-def forkserver() -> Iterator[_ForkServer]:
-    server = _ForkServer()
-    try:
-        yield server
-    finally:
-        server.close()
+    return _offline_env()
 
 
 @pytest.mark.parametrize(
@@ -161,14 +97,14 @@ def forkserver() -> Iterator[_ForkServer]:
     [same[0] for same in DISTINCT.values()],
     ids=[" = ".join(b.name for b in s) for s in DISTINCT.values()],
 )
-def test_python_block_runs_as_written_twice(block: Block, tmp_path: Path, forkserver: _ForkServer) -> None:
+def test_python_block_runs_as_written_twice(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(block.code, encoding="utf-8")
     work = tmp_path / "work"
     work.mkdir()
     ranks = TORCHRUN.search("\n".join(block.code.splitlines()[:3]))
     if not ranks:
-        rc, out, err = forkserver.run(script, work)
+        rc, out, err = ForkServer.shared().run({"script": str(script)}, work)
         assert rc == 0, f"{block.name} failed:\n{out[-3000:]}\n{err[-6000:]}"
         return
     # Under torchrun: two launches (the process group is the launcher's, one per run).
