@@ -110,7 +110,7 @@ class ForkServer:
     def shared(cls) -> ForkServer:
         """One server for the whole test session, closed at its end."""
         if cls._shared is None:
-            cls._shared = cls(_offline_env())
+            cls._shared = cls(offline_env())
             atexit.register(cls._shared.close)
         return cls._shared
 
@@ -154,7 +154,7 @@ class ForkServer:
         shutil.rmtree(self.spool, ignore_errors=True)
 
 
-def _offline_env() -> dict[str, str]:
+def offline_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")

@@ -1123,6 +1123,35 @@ def pyplot() -> Any:
     return plt
 
 
+def bars_with_rounds(
+    ax: Any,
+    medians: Sequence[float],
+    rounds: Sequence[Sequence[float]],
+    colors: Sequence[str],
+    texts: Sequence[str],
+    *,
+    width: float,
+    alpha: float = 1.0,
+    label: str = "one round",
+) -> None:
+    """A bar at each median (at x = 0, 1, ...), a dot for every round's value, the bar's
+    text beside its top, and one legend entry for the dots."""
+    xs = list(range(len(medians)))
+    ax.bar(xs, medians, color=list(colors), alpha=alpha, width=width)
+    for x, median, values, text in zip(xs, medians, rounds, texts, strict=True):
+        ax.plot([x] * len(values), values, "o", color="#222222", markersize=4)
+        ax.annotate(
+            text,
+            (x + width / 2, median),
+            xytext=(3, 0),
+            textcoords="offset points",
+            ha="left",
+            va="center",
+            fontsize=8,
+        )
+    ax.plot([], [], "o", color="#222222", markersize=4, label=label)
+
+
 def plot_ckpt(report: CkptReport, path: str) -> None:
     """A bar chart of ``report`` as an image at ``path`` (PNG by its name): throughput per
     method (median, with the rounds' range) beside the peak RSS growth, targets drawn in.

@@ -22,7 +22,6 @@ training loop with ``dcp.async_save`` is not part of this benchmark yet.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import shutil
@@ -33,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from .ranks import drop_caches, run_workers
+from .ranks import drop_caches, join_workers, run_workers
 
 _GiB = 1 << 30
 METHODS = ("fs-t1", "fs-t2", "fs-t4", "aiopersist", "fio")
@@ -81,13 +80,7 @@ def _worker(rank: int, world: int, port: int, base: str, size: int, rounds: int,
     from .raw import _fio_run, _HugePages
 
     warnings.simplefilter("ignore")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=900),
-    )
+    join_workers(rank, world, port, timeout_s=900)
     full = transformer_state(size)
     total = _state_bytes(full)
     state = _sharded(full, world)

@@ -419,26 +419,22 @@ def plot_demo(report: DemoReport, path: str) -> None:
     """A chart of ``report`` as an image at ``path`` (PNG by its name): the mean step time
     of every round per run, and each method's overhead per round against the band of the
     baseline's own spread."""
-    from .ckpt import pyplot
+    from .ckpt import bars_with_rounds, pyplot
 
     plt = pyplot()
     fig, (ax_step, ax_over) = plt.subplots(1, 2, figsize=(12, 4.8), layout="constrained")
     colors = ["#9e9e9e", "#3182bd", "#e6550d"]
     labels = [m.label for m in report.methods]
     xs = list(range(len(labels)))
-    for x, m, color in zip(xs, report.methods, colors, strict=False):
-        ax_step.bar(x, m.step_median, color=color, alpha=0.8, width=0.6)
-        ax_step.plot([x] * len(m.step_seconds), m.step_seconds, "o", color="#222222", markersize=4)
-        ax_step.annotate(
-            f"{m.step_median:.3f} s",
-            (x + 0.3, m.step_median),
-            xytext=(3, 0),
-            textcoords="offset points",
-            ha="left",
-            va="center",
-            fontsize=8,
-        )
-    ax_step.plot([], [], "o", color="#222222", markersize=4, label="one round")
+    bars_with_rounds(
+        ax_step,
+        [m.step_median for m in report.methods],
+        [m.step_seconds for m in report.methods],
+        colors[: len(labels)],
+        [f"{m.step_median:.3f} s" for m in report.methods],
+        width=0.6,
+        alpha=0.8,
+    )
     ax_step.legend(loc="best", fontsize=8)
     ax_step.set_xlim(-0.5, len(labels) - 0.2)
     ax_step.set_xticks(xs, labels, fontsize=9)
@@ -453,21 +449,15 @@ def plot_demo(report: DemoReport, path: str) -> None:
         -spread, spread, color="#dddddd", label=f"within noise: the baseline's own spread ({spread:.0f}%)"
     )
     ax_over.axhline(0, color="#444444", linewidth=0.8)
-    for x, m, color in zip(ox, others, colors[1:], strict=False):
-        ax_over.bar(x, 100 * m.overhead_median, color=color, alpha=0.8, width=0.5)
-        ax_over.plot(
-            [x] * len(m.overheads), [100 * o for o in m.overheads], "o", color="#222222", markersize=4
-        )
-        ax_over.annotate(
-            _pct(m.overhead_median) + (" (noise)" if report.within_noise(m) else ""),
-            (x + 0.25, 100 * m.overhead_median),
-            xytext=(3, 0),
-            textcoords="offset points",
-            ha="left",
-            va="center",
-            fontsize=8,
-        )
-    ax_over.plot([], [], "o", color="#222222", markersize=4, label="one round")
+    bars_with_rounds(
+        ax_over,
+        [100 * m.overhead_median for m in others],
+        [[100 * o for o in m.overheads] for m in others],
+        colors[1 : 1 + len(others)],
+        [_pct(m.overhead_median) + (" (noise)" if report.within_noise(m) else "") for m in others],
+        width=0.5,
+        alpha=0.8,
+    )
     ax_over.legend(loc="best", fontsize=8)
     ax_over.set_xticks(ox, [m.label for m in others], fontsize=9)
     ax_over.set_xlim(-0.5, len(others) - 0.1)

@@ -26,6 +26,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def join_workers(rank: int, ranks: int, port: int, timeout_s: float) -> None:
+    """In a worker that `run_workers` started: join the gloo group of all of them, over
+    localhost on ``port``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=ranks,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def run_workers(module: str, ranks: int, args: Sequence[object]) -> list[dict[str, Any]]:
     """``python -m module RANK RANKS PORT *args`` for every rank, on a fresh port; each
     worker prints its result as its last JSON line. Their results, by rank."""

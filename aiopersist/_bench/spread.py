@@ -18,7 +18,6 @@ coordination rather than the gain of more disks.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from .ranks import drop_caches, run_workers
+from .ranks import drop_caches, join_workers, run_workers
 
 _GiB = 1 << 30
 
@@ -64,13 +63,7 @@ def _worker(rank: int, world: int, port: int, base: str, size: int, dirs: int, r
 
     from .ckpt import _state_bytes, transformer_state
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=600),
-    )
+    join_workers(rank, world, port, timeout_s=600)
     solo = dist.new_group([0])
     state = transformer_state(size)
     disks = [os.path.join(base, f"disk{d}") for d in range(dirs)]

@@ -507,7 +507,7 @@ def plot_train(report: TrainReport, path: str) -> None:
     """A chart of ``report`` as an image at ``path`` (PNG by its name): each mode's step
     overhead over ``none`` (median, with every round's) against the 10% target, beside the
     time the training thread was blocked per save."""
-    from .ckpt import pyplot
+    from .ckpt import bars_with_rounds, pyplot
 
     plt = pyplot()
     fig, (ax_over, ax_blocked) = plt.subplots(
@@ -517,20 +517,15 @@ def plot_train(report: TrainReport, path: str) -> None:
     modes = [r.mode for r in others]
     xs = list(range(len(others)))
     colors = [_mode_color(m) for m in modes]
-    ax_over.bar(xs, [100 * r.overhead for r in others], color=colors, width=0.6)
-    for x, r in zip(xs, others, strict=True):
-        rounds = [100 * o for o in r.round_overheads]
-        ax_over.plot([x] * len(rounds), rounds, "o", color="#222222", markersize=4)
-        ax_over.annotate(
-            f"{100 * r.overhead:+.0f}%",
-            (x + 0.3, 100 * r.overhead),
-            xytext=(3, 0),
-            textcoords="offset points",
-            ha="left",
-            va="center",
-            fontsize=8,
-        )
-    ax_over.plot([], [], "o", color="#222222", markersize=4, label="one round (its median step over none's)")
+    bars_with_rounds(
+        ax_over,
+        [100 * r.overhead for r in others],
+        [[100 * o for o in r.round_overheads] for r in others],
+        colors,
+        [f"{100 * r.overhead:+.0f}%" for r in others],
+        width=0.6,
+        label="one round (its median step over none's)",
+    )
     ax_over.axhline(10, color="#444444", linestyle="--", linewidth=1, label="target: aiopersist +10%")
     ax_over.axhline(0, color="#444444", linewidth=0.8)
     ax_over.legend(loc="best", fontsize=8)

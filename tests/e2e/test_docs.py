@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from aiopersist._cli.main import build_parser
-from tests._forkserver import ForkServer, _offline_env
+from tests._forkserver import ForkServer, offline_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -88,10 +88,6 @@ def test_every_block_names_a_language_this_file_checks(block: Block) -> None:
     assert block.lang in KNOWN, f"{block.name}: a code block must be one of {sorted(KNOWN)}"
 
 
-def _env() -> dict[str, str]:
-    return _offline_env()
-
-
 @pytest.mark.parametrize(
     "block",
     [same[0] for same in DISTINCT.values()],
@@ -113,7 +109,7 @@ def test_python_block_runs_as_written_twice(block: Block, tmp_path: Path) -> Non
         proc = subprocess.run(
             [*launcher, ranks.group("n"), str(script)],
             cwd=work,
-            env=_env(),
+            env=offline_env(),
             capture_output=True,
             text=True,
             timeout=280,
