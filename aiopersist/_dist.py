@@ -127,7 +127,18 @@ def coordinator(group: Any = None) -> Coordinator | None:
     return Coordinator(rank, world, local_rank, gloo)
 
 
-_process0_groups: dict[object, tuple[Any, Any]] = {}  # id(checkpoint group) -> (it, process 0's group)
+_derived_groups: dict[tuple[object, str], tuple[Any, Any]] = {}
+"""(id(checkpoint group), which) -> (that group, the group made from it)."""
+
+
+def _derived_group(coord: Coordinator, which: str, ranks: list[int] | None) -> Any:
+    import torch.distributed as dist
+
+    key = (id(coord.group), which)
+    entry = _derived_groups.get(key)
+    if entry is None or entry[0] is not coord.group:
+        entry = _derived_groups[key] = (coord.group, dist.new_group(ranks, backend="gloo"))
+    return entry[1]
 
 
 def process0_group(coord: Coordinator) -> Any:
@@ -137,10 +148,13 @@ def process0_group(coord: Coordinator) -> Any:
     Made once per checkpoint group. Making a group is a collective: every rank calls
     this, in the same order, from the thread that issues the training's collectives.
     """
-    import torch.distributed as dist
+    return _derived_group(coord, "process 0", [0])
 
-    key = id(coord.group)
-    entry = _process0_groups.get(key)
-    if entry is None or entry[0] is not coord.group:
-        entry = _process0_groups[key] = (coord.group, dist.new_group([0], backend="gloo"))
-    return entry[1]
+
+def background_group(coord: Coordinator) -> Any:
+    """A gloo group of every rank for the collectives of saves that run in a background
+    thread (the FSDP checkpoints of the Hugging Face integrations): its own, so that they
+    never interleave with the training's or the checkpoint group's. Made once per
+    checkpoint group, as `process0_group` is (a collective: every rank calls it, in the
+    same order)."""
+    return _derived_group(coord, "background", None)

@@ -472,6 +472,13 @@ async def load(
             "aiopersist.integrations.dcp): load it with torch.distributed.checkpoint.load(state_dict, "
             "storage_reader=AiopersistReader(path)); aiopersist.verify checks it"
         )
+    if loc.manifest is not None and loc.manifest.layout == "fsdp":
+        raise UnsupportedStateError(
+            f"{loc.directory} is an FSDP checkpoint of the Hugging Face Trainer or Accelerate: resume "
+            "from it with trainer.train(resume_from_checkpoint=path) or accelerator.load_state(path); its "
+            "torch.distributed.checkpoint subdirectories load with torch.distributed.checkpoint.load and "
+            "AiopersistReader; aiopersist.verify checks it"
+        )
     pool = StagingPool()
     prefault = _Prefaulter()
     try:

@@ -185,15 +185,17 @@ def part_places(primary: str, manifest: Manifest, given: Sequence[str] = ()) -> 
     return tuple(places)
 
 
-def _check_part(place: str, where: str) -> None:
+def _check_part(place: str, where: str, what: str = "part directory") -> None:
+    """``place`` is a directory itself, not a link to one (nothing the checkpoint lists
+    may lead outside it)."""
     try:
         st = os.lstat(place)
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"{place}: missing ({where} lists this part directory)") from None
+        raise CheckpointCorruptError(f"{place}: missing ({where} lists this {what})") from None
     except OSError as exc:
         raise from_os_error(exc, "lstat", place) from exc
     if not stat.S_ISDIR(st.st_mode):
-        raise CheckpointCorruptError(f"{place}: {_kind_of(st.st_mode)}, not a part directory ({where})")
+        raise CheckpointCorruptError(f"{place}: {_kind_of(st.st_mode)}, not a {what} ({where})")
 
 
 def locate(path: PathArg) -> Located:
@@ -211,6 +213,13 @@ def locate(path: PathArg) -> Located:
             places = part_places(target, manifest, paths)
             for i in sorted({rec.directory for rec in manifest.files.values()} - {0}):
                 _check_part(places[i], mpath)  # a directory the save wrote nothing to was not made
+            subdirectories = {
+                os.path.join(places[rec.directory], name.split("/")[0])
+                for name, rec in manifest.files.items()
+                if "/" in name
+            }
+            for sub in sorted(subdirectories):
+                _check_part(sub, mpath, "subdirectory")
             sizes = {
                 name: regular_size(os.path.join(places[rec.directory], name), mpath, rec.nbytes)
                 for name, rec in manifest.files.items()

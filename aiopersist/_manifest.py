@@ -322,7 +322,11 @@ def _object_text(items: Iterable[tuple[str, str]]) -> str:
 MAX_SIZE = 1 << 62
 """Largest byte count, offset or dimension a manifest or header may state."""
 MAX_WORLD_SIZE = 1 << 20
-LAYOUTS = ("state", "hf-model", "dcp")
+LAYOUTS = ("state", "hf-model", "dcp", "fsdp")
+"""``fsdp``: an FSDP checkpoint of the Hugging Face Trainer or Accelerate, in their own
+layout: ``torch.distributed.checkpoint`` directories (``pytorch_model_fsdp_0/``,
+``optimizer_0/``) and the framework's files, every one listed by this manifest (files in
+a subdirectory by ``<subdirectory>/<name>``)."""
 """``dcp``: a ``torch.distributed.checkpoint`` directory written through aiopersist
 (its files listed with checksums, no tensors of aiopersist's own)."""
 """The last component of a part directory: ``part-<token>``, the token of the save."""
@@ -341,6 +345,18 @@ def safe_file_name(name: object, where: str) -> str:
     ):
         raise CheckpointCorruptError(f"{where}: file name {name!r} would escape the checkpoint directory")
     return name
+
+
+def safe_member_name(name: object, where: str) -> str:
+    """A file name from a version 2 manifest: a plain file in the checkpoint
+    (`safe_file_name`) or in a subdirectory of it, ``<subdirectory>/<name>`` (one level,
+    each part a plain name)."""
+    if isinstance(name, str) and name.count("/") == 1:
+        sub, base = name.split("/")
+        safe_file_name(sub, where)
+        safe_file_name(base, where)
+        return name
+    return safe_file_name(name, where)
 
 
 def part_token(directory: object, where: str) -> str:
@@ -491,10 +507,12 @@ def _directories(doc: dict[str, Any], version: int, where: str) -> tuple[str, ..
     return tuple(listed)
 
 
-def _files(doc: dict[str, Any], directories: tuple[str, ...], where: str) -> dict[str, FileRecord]:
+def _files(
+    doc: dict[str, Any], directories: tuple[str, ...], version: int, where: str
+) -> dict[str, FileRecord]:
     files: dict[str, FileRecord] = {}
     for name, spec in _object(doc.get("files"), "files", where).items():
-        safe_file_name(name, where)
+        safe_member_name(name, where) if version >= 2 else safe_file_name(name, where)
         what = f"files[{name!r}]"
         spec = _object(spec, what, where)
         nbytes = _int(spec.get("bytes"), f"{what}.bytes", where)
@@ -688,7 +706,7 @@ def _rank_part(spec: dict[str, Any], nbytes: Mapping[str, int], what: str, where
 
 def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
     directories = _directories(doc, version, where)
-    files = _files(doc, directories, where)
+    files = _files(doc, directories, version, where)
     tensors = _tensors(doc, files, where)
     sliced = (
         {

@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 
 MANIFEST_NAME = "aiopersist.json"
+DCP_METADATA = ".metadata"
+"""A ``torch.distributed.checkpoint`` directory's metadata file."""
 PICKLE_FILE = "pickled.bin"
 """Where a checkpoint's pickled objects are (``allow_pickle=True``)."""
 MODEL_FILE = "model.safetensors"

@@ -37,6 +37,7 @@ from .._exceptions import (
     UnsupportedStateError,
     maps_os_errors,
 )
+from .._names import DCP_METADATA
 from .progress import Progress, human
 
 
@@ -513,6 +514,11 @@ def _describe_manifest(target: str, m: Manifest, places: Sequence[str]) -> dict[
         emit(name)
     if m.layout == "dcp":
         rows = _dcp_rows(target)
+    elif m.layout == "fsdp":
+        # Each torch.distributed.checkpoint subdirectory's tensors (their names carry the
+        # subdirectory's own prefix: model., optimizer.).
+        subdirectories = sorted({n.split("/")[0] for n in m.files if n.endswith("/" + DCP_METADATA)})
+        rows = [row for sub in subdirectories for row in _dcp_rows(os.path.join(target, sub))]
     return _document(
         target,
         "aiopersist",

@@ -83,12 +83,17 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .._backends import open_backend, to_thread_to_the_end
-from .._commit import make_directories, make_temp, publish_with_parts, remove_path
+from .._commit import fsync_directory, make_directories, make_temp, publish_with_parts, remove_path
 from .._direct import probe_directory, probe_file_for_read
-from .._exceptions import CheckpointCorruptError, CheckpointNotFoundError
+from .._exceptions import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    from_os_error,
+)
 from .._locate import checkpoint_paths, locate, own_parts, read_small, regular_size, token_at
 from .._manifest import EntryRecord, FileRecord, Manifest, dump_manifest, new_hasher, safe_file_name
-from .._names import MANIFEST_NAME, part_dir, temp_path
+from .._names import DCP_METADATA, MANIFEST_NAME, part_dir, temp_path
 from .._save import write_file
 from .._staging import StagingPool
 from .._stream import Bytes, PartHasher, read_segments, record_cuda_ready, run_all, use_cuda_ready
@@ -103,7 +108,7 @@ _DCP_VERSION: str | None = getattr(_dcp_filesystem, "CURRENT_DCP_VERSION", None)
 
 log = logging.getLogger("aiopersist")
 
-METADATA_FILE = ".metadata"
+METADATA_FILE = DCP_METADATA
 """DCP's metadata file: the name its ``FileSystemReader`` looks for."""
 
 T = TypeVar("T")
@@ -217,6 +222,15 @@ class _Fence:
         return self._done.wait(timeout)
 
 
+def _new_fence() -> _Fence:
+    """A fence for a save starting now: CUDA tensors are read as of this moment, on the
+    caller's current stream."""
+    ready: dict[int, Any] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        ready = record_cuda_ready([torch.cuda.current_device()])
+    return _Fence(ready)
+
+
 class FenceStager:
     """A DCP ``AsyncStager`` with aiopersist's fence semantics: ``dcp.async_save``
     returns at once and copies nothing; the writer reads the live tensors while training
@@ -261,10 +275,7 @@ class FenceStager:
                 "FenceStager: the previous save has not staged yet; "
                 "call wait_staged() before the next async_save"
             )
-        ready: dict[int, Any] = {}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            ready = record_cuda_ready([torch.cuda.current_device()])
-        self._fence = self.writer._fence = _Fence(ready)
+        self._fence = self.writer._fence = _new_fence()
         return state_dict
 
     def wait_staged(
@@ -300,6 +311,13 @@ class AiopersistWriter(StorageWriter):
     [`CheckpointExistsError`][aiopersist.CheckpointExistsError] (DCP wraps it in its
     ``CheckpointException``); ``overwrite=True`` replaces it atomically once the new one
     is durable. ``backend`` as for `aiopersist.save`.
+
+    ``publish=False`` writes the directory in place, for a save that publishes a larger
+    directory holding it (an FSDP checkpoint of the Trainer or Accelerate, see
+    the Trainer and Accelerate integrations): ``path`` must not exist, its parent is that
+    unpublished directory, and the writer leaves ``path`` complete and durable in it
+    (files, ``.metadata``, manifest, the directory's entries fsynced) without renaming
+    anything. What a failed save leaves there is the publishing save's to remove.
     """
 
     def __init__(
@@ -309,8 +327,12 @@ class AiopersistWriter(StorageWriter):
         disks: Sequence[str | os.PathLike[str]] = (),
         overwrite: bool = False,
         backend: str = "auto",
+        publish: bool = True,
     ) -> None:
         super().__init__()
+        if not publish and disks:
+            raise ValueError("AiopersistWriter: publish=False writes one directory in place, without disks")
+        self.publish = publish
         self.path = os.path.abspath(os.fspath(path)) if path is not None else None
         self.disks = [os.path.abspath(os.fspath(d)) for d in disks]
         self.overwrite = overwrite
@@ -321,6 +343,9 @@ class AiopersistWriter(StorageWriter):
         self._token: str | None = None
         self._fence: _Fence | None = None
         """Armed by a `FenceStager` for the next ``write_data``."""
+        self.written: list[FileRecord] = []
+        """The files the last save wrote on this rank (its data file; on the coordinator,
+        ``.metadata`` and the manifest too)."""
         self._pending: tuple[list[str], str] | None = None
         """On the coordinator, between claiming a save's directories and its ``finish``: the
         checkpoint's paths and the save's token."""
@@ -354,6 +379,7 @@ class AiopersistWriter(StorageWriter):
             )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
+        self.written = []
         if self._pending is not None:
             # This writer's previous save failed after claiming its directories (on some
             # rank, in DCP's write step, so that finish never ran): DCP runs one save at a
@@ -373,9 +399,12 @@ class AiopersistWriter(StorageWriter):
         checkpoint unless ``overwrite``) and hand every rank its prefix and the token."""
         token = uuid.uuid4().hex[:12]
         ndirs = len(self._paths())
-        make_temp(self._path(), self.overwrite, token)
+        if self.publish:
+            make_temp(self._path(), self.overwrite, token)
+            self._pending = (self._paths(), token)
+        else:
+            _make_in_place(self._path())
         self._token = token
-        self._pending = (self._paths(), token)
         # Rank i writes to disk i mod D: the ranks' files spread evenly over the disks.
         return [
             dataclasses.replace(plan, storage_data=_Prefix(f"__{i}_", token, i % ndirs))
@@ -396,7 +425,7 @@ class AiopersistWriter(StorageWriter):
             )
         name = f"{where.prefix}0.distcp"
         if where.directory == 0:
-            tmp, rel = temp_path(final, where.token), name
+            tmp, rel = self._staging(where.token), name
         else:
             tmp = part_dir(paths[where.directory], where.token)
             rel = os.path.relpath(os.path.join(tmp, name), final)  # what DCP's reader joins to the path
@@ -410,7 +439,10 @@ class AiopersistWriter(StorageWriter):
 
         async def write() -> list[WriteResult]:
             use_cuda_ready(ready)
-            return await _write_rank_file(backend, tmp, name, rel, where.directory, items, pieces, staged)
+            results = await _write_rank_file(backend, tmp, name, rel, where.directory, items, pieces, staged)
+            if results:
+                self.written.append(results[0].storage_data.file)
+            return results
 
         cf = _on_engine(write)
         if fence is not None:
@@ -446,22 +478,23 @@ class AiopersistWriter(StorageWriter):
         token, self._token = self._token, None
         self._pending = None  # from here on this save cleans up after itself
         paths = self._paths()
-        tmp = temp_path(final, token)
+        tmp = self._staging(token)
         parts = own_parts(paths, token)
+        if not self.publish:
+            raw = pickle.dumps(metadata)
+            backend = self.backend
+            manifest = _dcp_manifest(files, entries, len(results), ())
+            self.written += _on_engine(
+                lambda: _write_metadata_and_manifest(backend, tmp, raw, manifest)
+            ).result()
+            fsync_directory(tmp)
+            return
         published = False
         try:
             # The replaced checkpoint's parts, found by its token (they go after the rename).
             old_parts = own_parts(paths, token_at(final)) if self.overwrite and parts else []
-            manifest = Manifest(
-                files=files,
-                tensors={},
-                skeleton={},
-                layout="dcp",
-                world_size=len(results),
-                version=2,
-                created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                directories=(".", *(os.path.relpath(p, final) for p in parts)),
-                entries={n: tuple(sorted(e, key=lambda x: x.begin)) for n, e in entries.items()},
+            manifest = _dcp_manifest(
+                files, entries, len(results), tuple(os.path.relpath(p, final) for p in parts)
             )
             raw = pickle.dumps(metadata)
             backend = self.backend
@@ -475,9 +508,44 @@ class AiopersistWriter(StorageWriter):
         for old in old_parts:
             remove_path(old)
 
+    def _staging(self, token: str) -> str:
+        """Where this save writes its primary directory: the temporary one it publishes,
+        or the checkpoint itself with ``publish=False``."""
+        return temp_path(self._path(), token) if self.publish else self._path()
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, str | os.PathLike)
+
+
+def _make_in_place(path: str) -> None:
+    """The directory a ``publish=False`` save writes: new, in its unpublished parent."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        raise CheckpointExistsError(f"{path} already exists") from None
+    except OSError as exc:
+        raise from_os_error(exc, "mkdir", path) from exc
+
+
+def _dcp_manifest(
+    files: dict[str, FileRecord],
+    entries: dict[str, list[EntryRecord]],
+    world_size: int,
+    parts: tuple[str, ...],
+) -> Manifest:
+    """The manifest of a DCP directory: its files, and each data file's entries."""
+    return Manifest(
+        files=files,
+        tensors={},
+        skeleton={},
+        layout="dcp",
+        world_size=world_size,
+        version=2,
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        directories=(".", *parts),
+        entries={n: tuple(sorted(e, key=lambda x: x.begin)) for n, e in entries.items()},
+    )
 
 
 def _nbytes(piece: Bytes | torch.Tensor) -> int:
@@ -549,7 +617,10 @@ async def _write_rank_file(
     return results
 
 
-async def _write_metadata_and_manifest(backend: str, tmp: str, raw: bytes, manifest: Manifest) -> None:
+async def _write_metadata_and_manifest(
+    backend: str, tmp: str, raw: bytes, manifest: Manifest
+) -> list[FileRecord]:
+    """``.metadata``, then the manifest listing it; their records."""
     dio = await asyncio.to_thread(probe_directory, tmp)
     pool = StagingPool()
     try:
@@ -557,7 +628,7 @@ async def _write_metadata_and_manifest(backend: str, tmp: str, raw: bytes, manif
             rec = await write_file(be, os.path.join(tmp, METADATA_FILE), dio, pool, [raw])
             manifest = dataclasses.replace(manifest, files={**manifest.files, METADATA_FILE: rec})
             data = await asyncio.to_thread(dump_manifest, manifest)
-            await write_file(be, os.path.join(tmp, MANIFEST_NAME), dio, pool, [data])
+            return [rec, await write_file(be, os.path.join(tmp, MANIFEST_NAME), dio, pool, [data])]
     finally:
         pool.close()
 

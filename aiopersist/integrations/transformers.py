@@ -71,12 +71,13 @@ except ModuleNotFoundError as exc:
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode
 from .._commit import remove_path
-from .._dist import coordinator, process0_group
+from .._dist import background_group, coordinator, process0_group
 from .._manager import StepInfo, scan
 from .._names import TMP_MARKER, TRAINER_STEPS, TRASH_MARKER
 from .._retention import SaveTotalLimit, to_delete
 from .._save import SaveInfo, TorchSave
 from ._common import delete_checkpoints, files_written_by, gather_objects, torch_bytes
+from ._fsdp import ShardedSave, ShardedSaver, fsdp_states
 
 log = logging.getLogger("aiopersist")
 
@@ -165,9 +166,13 @@ class AioPersistCallback(TrainerCallback):
         self.mode = mode
         self.snapshot_bytes = snapshot_bytes
         self._ckpt: BlockingCheckpointer | None = None
+        self._sharded: ShardedSaver | None = None
+        """Under FSDP: writes every rank's shards (see `_fsdp`)."""
+        self._fsdp: Any = None
+        """Under FSDP: Accelerate's FSDP plugin, whose state dict options the save takes."""
         self._trainer: Trainer | None = None
         self._jit_manager: Any = None
-        self._handle: BlockingSaveHandle | None = None
+        self._handle: BlockingSaveHandle | ShardedSave | None = None
         # Waits for the save in flight to commit, then rotates; each one joins the one before.
         self._committer: threading.Thread | None = None
         self._group: Any = None
@@ -184,12 +189,13 @@ class AioPersistCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        trainer = _running_trainer(self)
+        fsdp = _fsdp_plugin(trainer)
         if args.world_size > 1:
-            if args.parallel_mode != ParallelMode.DISTRIBUTED or args.fsdp:
+            if args.parallel_mode != ParallelMode.DISTRIBUTED:
                 raise ValueError(
-                    "AioPersistCallback supports one process or DistributedDataParallel (every rank holds "
-                    f"the whole state); this run's parallel mode is {args.parallel_mode.value}"
-                    + (" with FSDP" if args.fsdp else "")
+                    "AioPersistCallback supports one process, DistributedDataParallel and FSDP2; this "
+                    f"run's parallel mode is {args.parallel_mode.value}"
                 )
             if args.save_on_each_node:
                 raise ValueError(
@@ -201,18 +207,23 @@ class AioPersistCallback(TrainerCallback):
                 "AioPersistCallback cannot be used with DeepSpeed: its optimizer step runs inside "
                 "backward(), so there is no point before it where the fence could be waited on"
             )
-        trainer = _running_trainer(self)
         if type(trainer)._save_checkpoint is not Trainer._save_checkpoint:
             raise ValueError(
                 f"AioPersistCallback replaces Trainer._save_checkpoint, which {type(trainer).__name__} "
                 "overrides: its own save would be bypassed"
             )
         if args.world_size > 1:
-            # Process 0 writes every checkpoint alone, in a group of its own. Making the group
-            # is a collective, so every rank makes it here, even when it never saves.
             coord = coordinator()
             assert coord is not None
-            self._group = process0_group(coord)
+            if fsdp is not None:
+                # Every rank writes its shards, from a background thread, over a group of the
+                # saves' own. Making it is a collective: every rank makes it here.
+                self._sharded = ShardedSaver(background_group(coord), backend=self.backend)
+                self._fsdp = fsdp
+            else:
+                # Process 0 writes every checkpoint alone, in a group of its own. Making the
+                # group is a collective, so every rank makes it here, even when it never saves.
+                self._group = process0_group(coord)
         if args.push_to_hub:
             log.warning("aiopersist: checkpoints saved by AioPersistCallback are not pushed to the Hub")
         if self._ckpt is None:
@@ -263,6 +274,9 @@ class AioPersistCallback(TrainerCallback):
             if self._ckpt is not None:
                 self._ckpt.close()
                 self._ckpt = None
+            if self._sharded is not None:
+                self._sharded.close()
+                self._sharded = self._fsdp = None
 
     # -- the Trainer's save, taken over -----------------------------------------------------
 
@@ -303,25 +317,41 @@ class AioPersistCallback(TrainerCallback):
         path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         self._record_best(args, state, run_dir, path)
         rng_files = self._gather_rng_states(args)  # every rank takes part; process 0 gets them
-        if args.should_save:
-            _export_callback_states(trainer)
-            files = self._checkpoint_files(trainer, path, rng_files)
+        if args.should_save or self._sharded is not None:
+            files = None
+            if args.should_save:
+                _export_callback_states(trainer)
+                files = self._checkpoint_files(trainer, path, rng_files)
             previous, self._handle = self._handle, None
             if previous is not None:
                 # The save would wait for it anyway (one in flight); its error is raised here.
                 previous.wait()
-            # Under DDP process 0 writes alone, in a group of its own: no other rank takes part.
-            handle = self._ckpt.save(
-                trainer.model, path, overwrite=True, extra_files=files, group=self._group
-            )
+            handle: BlockingSaveHandle | ShardedSave
+            if self._sharded is not None:
+                # FSDP: every rank writes its shards of the model and the optimizer, as the
+                # stock FSDP save lays them out; process 0 adds the files and publishes.
+                states = fsdp_states(cast(Any, trainer.model), [trainer.optimizer], self._fsdp)
+                handle = self._sharded.save(path, states, files)
+            else:
+                # Under DDP process 0 writes alone, in a group of its own: no other rank takes part.
+                handle = self._ckpt.save(
+                    trainer.model, path, overwrite=True, extra_files=files, group=self._group
+                )
             self._handle = handle
-            self._committer = threading.Thread(
-                target=self._commit,
-                args=(handle, self._committer, run_dir, args.save_total_limit, state.best_model_checkpoint),
-                name="aiopersist-commit",
-                daemon=True,
-            )
-            self._committer.start()
+            if args.should_save:  # process 0 records the commits and rotates
+                self._committer = threading.Thread(
+                    target=self._commit,
+                    args=(
+                        handle,
+                        self._committer,
+                        run_dir,
+                        args.save_total_limit,
+                        state.best_model_checkpoint,
+                    ),
+                    name="aiopersist-commit",
+                    daemon=True,
+                )
+                self._committer.start()
         self._started.add(path)
         if trainer.control.should_training_stop:
             # Nothing overlaps the last save: what comes next (load_best_model_at_end, the
@@ -359,11 +389,14 @@ class AioPersistCallback(TrainerCallback):
     def _checkpoint_files(
         self, trainer: Trainer, path: str, rng_files: dict[str, bytes]
     ) -> dict[str, bytes | TorchSave]:
-        """Every file of the checkpoint but the weights, as the stock save writes them."""
+        """Every file of the checkpoint but the weights, as the stock save writes them (under
+        FSDP, where the model and the optimizer are DCP directories, the stock save writes
+        neither the model's files nor ``training_args.bin`` nor the tokenizer's)."""
         args, state = trainer.args, trainer.state
-        files: dict[str, bytes | TorchSave] = _model_files(trainer.model)
+        sharded = self._sharded is not None
+        files: dict[str, bytes | TorchSave] = {} if sharded else _model_files(trainer.model)
         if not args.save_only_model:
-            if trainer.optimizer is not None:
+            if trainer.optimizer is not None and not sharded:
                 files["optimizer.pt"] = TorchSave(trainer.optimizer.state_dict())
             if trainer.lr_scheduler is not None:
                 files["scheduler.pt"] = torch_bytes(trainer.lr_scheduler.state_dict())
@@ -375,6 +408,8 @@ class AioPersistCallback(TrainerCallback):
         files["trainer_state.json"] = (
             json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True) + "\n"
         ).encode()
+        if sharded:
+            return files
         files["training_args.bin"] = torch_bytes(args)
         tokenizer = trainer.processing_class
         if tokenizer is None:
@@ -402,7 +437,7 @@ class AioPersistCallback(TrainerCallback):
 
     def _commit(
         self,
-        handle: BlockingSaveHandle,
+        handle: BlockingSaveHandle | ShardedSave,
         before: threading.Thread | None,
         run_dir: str,
         limit: int | None,
@@ -465,6 +500,25 @@ def _remove_leftovers(run_dir: str) -> None:
             path = os.path.join(run_dir, name)
             log.info("aiopersist: removing %s, left by an interrupted save or deletion", path)
             remove_path(path)
+
+
+def _fsdp_plugin(trainer: Trainer) -> Any:
+    """Accelerate's FSDP plugin when the Trainer shards the model with FSDP (``None``
+    otherwise); `ValueError` for the FSDP configurations the callback does not write."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    plugin = cast(Any, trainer).accelerator.state.fsdp_plugin
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        raise ValueError(
+            "AioPersistCallback supports FSDP2 (fsdp_config={'fsdp_version': 2}); this run uses FSDP1"
+        )
+    if "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
+        raise ValueError(
+            "AioPersistCallback under FSDP writes the sharded layout (fsdp_config={'state_dict_type': "
+            f"'SHARDED_STATE_DICT'}}); this run's state_dict_type is {plugin.state_dict_type}, which "
+            "gathers the whole state to process 0 at every save"
+        )
+    return plugin
 
 
 def _running_trainer(callback: AioPersistCallback) -> Trainer:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import xxhash
 
+from aiopersist._exceptions import CheckpointCorruptError
 from aiopersist._flatten import ViewSpec, flatten
 from aiopersist._manifest import (
     FileRecord,
@@ -21,6 +22,7 @@ from aiopersist._manifest import (
     TensorTable,
     dump_manifest,
     parse_manifest,
+    safe_member_name,
 )
 from aiopersist._plan import RankDesc, describe, plan_write, rank_state
 
@@ -108,3 +110,18 @@ def test_a_plans_records_are_its_layout_and_make_a_manifest_that_parses() -> Non
     back = parse_manifest(dump_manifest(m), "test")
     assert list(back.tensors) == list(plan.records)
     assert all(back.tensors[n] == plan.records[n] for n in back.tensors)
+
+
+@pytest.mark.parametrize(
+    "name", ["optimizer_0/__0_0.distcp", "pytorch_model_fsdp_0/.metadata", "scheduler.pt"]
+)
+def test_a_version_2_file_may_be_in_one_subdirectory(name: str) -> None:
+    assert safe_member_name(name, "m") == name
+
+
+@pytest.mark.parametrize(
+    "name", ["../x", "a/../x", "a/..", "./x", "a/b/c", "/a/b", "a//b", "a/", "/x", "a\\b/c", "", "a/b\0"]
+)
+def test_a_subdirectory_name_cannot_lead_out_or_deeper(name: str) -> None:
+    with pytest.raises(CheckpointCorruptError, match="would escape the checkpoint directory"):
+        safe_member_name(name, "m")

@@ -1,0 +1,276 @@
+"""FSDP checkpoints of the Hugging Face Trainer and Accelerate, in their own layout,
+written asynchronously through aiopersist.
+
+Stock FSDP saving with ``SHARDED_STATE_DICT`` writes into the checkpoint directory one
+``torch.distributed.checkpoint`` (DCP) directory per model, ``pytorch_model_fsdp_<i>/``
+(the model's state dict under ``"model"``), and one per optimizer, ``optimizer_<i>/``
+(under ``"optimizer"``), every rank writing its shards, beside the framework's own files
+(the scheduler, the RNG states, ``trainer_state.json``...). `ShardedSaver` writes the same
+directory, so that the stock Trainer's ``resume_from_checkpoint`` and
+``accelerator.load_state`` read it unchanged, but:
+
+1. ``save`` (every rank, on the training thread) takes the state dicts and the files as
+   they are at that moment and returns at once, with one fence per DCP directory armed;
+2. a background thread per rank (one save at a time) does the rest over the saver's own
+   gloo group (training's collectives go on meanwhile on theirs): process 0 claims the
+   temporary directory ``.<name>.aiopersist-tmp-<token>`` beside the checkpoint and tells
+   the others; each DCP directory is written in it, in place, by ``dcp.save`` through
+   `AiopersistWriter` (``publish=False``: every byte checksummed, fsynced);
+3. process 0 writes the framework's files and aiopersist's manifest (layout ``fsdp``,
+   listing every file of the checkpoint, the DCP directories' included, with their
+   checksums), then publishes the whole directory with one atomic rename; every rank
+   learns the outcome.
+
+The tensors are read where they live (no copy): `ShardedSave.wait_staged` returns once
+every byte of this rank's shards has left them, which the next optimizer step must wait
+for. The optimizer's DCP directory is written after the model's, so its fence comes later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import datetime
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from .._backends import open_backend, resolve_backend_name
+from .._commit import make_temp, publish, remove_path
+from .._direct import probe_directory
+from .._locate import read_small
+from .._manifest import (
+    MAX_MANIFEST_BYTES,
+    EntryRecord,
+    FileRecord,
+    Manifest,
+    dump_manifest,
+    new_hasher,
+    parse_manifest,
+    safe_file_name,
+)
+from .._names import MANIFEST_NAME
+from .._save import SaveInfo, TorchSave, write_file, write_torch_save
+from .._staging import StagingPool
+from .._stream import run_all
+from .._workers import DaemonThreadPool
+from .dcp import AiopersistWriter, _Fence, _new_fence, _on_engine
+
+Files = Mapping[str, "bytes | TorchSave"]
+
+
+class ShardedSave:
+    """One save in flight (`ShardedSaver.save`): the handle every rank gets."""
+
+    def __init__(self, path: str, fences: list[_Fence], future: concurrent.futures.Future[SaveInfo]) -> None:
+        self.path = path
+        self._fences = fences
+        self._future = future
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until this rank's tensors may change again (every byte of its shards has
+        left them); raises the save's error if it failed before that."""
+        for fence in self._fences:
+            if not fence.wait(timeout):
+                raise TimeoutError(f"{self.path}: the save did not stage within {timeout} s")
+            if fence.error is not None:
+                raise fence.error
+
+    def wait(self) -> SaveInfo:
+        """Block until the checkpoint is published and durable (on every rank: the outcome
+        is process 0's); raises the save's error."""
+        return self._future.result()
+
+    @property
+    def staged(self) -> bool:
+        return all(f.wait(0) for f in self._fences)
+
+    @property
+    def done(self) -> bool:
+        return self._future.done()
+
+
+class ShardedSaver:
+    """Saves FSDP checkpoints in the Trainer's and Accelerate's layout (see the module
+    docstring). Every rank makes one, with the same ``group`` (a gloo group of every
+    rank, made for the saver: its collectives run in a background thread while training
+    runs its own). ``overwrite`` replaces an existing checkpoint atomically."""
+
+    def __init__(self, group: Any, *, backend: str = "auto", overwrite: bool = True) -> None:
+        self.group = group
+        self.backend = resolve_backend_name(backend)
+        self.overwrite = overwrite
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._source = dist.get_global_rank(group, 0)
+        self._thread = DaemonThreadPool(1, thread_name_prefix="aiopersist-fsdp")
+
+    def save(
+        self, path: str | os.PathLike[str], states: Mapping[str, dict[str, Any]], files: Files | None = None
+    ) -> ShardedSave:
+        """Start saving ``states`` (DCP directory name → the state dict ``dcp.save`` takes,
+        in the order written) and, on process 0, ``files`` (name → ``bytes`` or
+        `TorchSave`) as the checkpoint ``path``. Every rank calls it, with the same
+        directory names, in the same order as its other saves."""
+        final = os.path.abspath(os.fspath(path))
+        names = list(states)
+        for name in [*names, *(files or {})]:
+            safe_file_name(name, "the checkpoint")
+        if files and self.rank != 0:
+            raise ValueError("ShardedSaver.save: only process 0 writes the checkpoint's files")
+        fences = [_new_fence() for _ in names]
+        future = self._thread.submit(self._run, final, dict(states), dict(files or {}), fences)
+
+        def settle(f: concurrent.futures.Future[SaveInfo]) -> None:
+            error = None if f.cancelled() else f.exception()
+            for fence in fences:
+                fence.fail(error)  # a save that ended without staging ends the waits too
+
+        future.add_done_callback(settle)
+        return ShardedSave(final, fences, future)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False)
+
+    # -- the background thread ------------------------------------------------------------
+
+    def _run(
+        self, final: str, states: dict[str, dict[str, Any]], files: Files, fences: list[_Fence]
+    ) -> SaveInfo:
+        start = time.monotonic()
+        tmp = self._claim(final)
+        written: list[FileRecord] = []
+        try:
+            for (name, state), fence in zip(states.items(), fences, strict=True):
+                writer = AiopersistWriter(os.path.join(tmp, name), backend=self.backend, publish=False)
+                writer._fence = fence
+                dcp_save(state, storage_writer=writer, process_group=self.group)
+                written += [dataclasses.replace(r, name=f"{name}/{r.name}") for r in writer.written]
+            error: BaseException | None = None
+            if self.rank == 0:
+                try:
+                    written += self._publish(tmp, final, list(states), files)
+                except BaseException as exc:
+                    error = exc
+            self._outcome(error)
+        except BaseException:
+            if self.rank == 0:
+                remove_path(tmp)
+            raise
+        return SaveInfo(
+            path=final,
+            bytes_written=sum(r.nbytes for r in written),
+            files=tuple(r.name for r in written),
+            seconds=time.monotonic() - start,
+            backend=self.backend,
+        )
+
+    def _claim(self, final: str) -> str:
+        """Process 0 makes the temporary directory; every rank gets its path (or the error)."""
+        message: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                message[0] = ("ok", make_temp(final, self.overwrite, uuid.uuid4().hex[:12]).tmp)
+            except Exception as exc:
+                message[0] = ("error", exc)
+        dist.broadcast_object_list(message, src=self._source, group=self.group)
+        kind, value = message[0]
+        if kind != "ok":
+            raise value
+        return str(value)
+
+    def _outcome(self, error: BaseException | None) -> None:
+        """Every rank raises process 0's publishing error, or none."""
+        message: list[Any] = [error]
+        dist.broadcast_object_list(message, src=self._source, group=self.group)
+        if message[0] is not None:
+            raise message[0]
+
+    def _publish(self, tmp: str, final: str, subdirectories: list[str], files: Files) -> list[FileRecord]:
+        """On process 0: the files and the manifest into ``tmp``, then ``tmp`` published."""
+        backend, world_size = self.backend, self.world_size
+
+        async def write() -> list[FileRecord]:
+            dio = await asyncio.to_thread(probe_directory, tmp)
+            pool = StagingPool()
+            try:
+                async with open_backend(backend) as be:
+                    jobs = [
+                        write_torch_save(be, os.path.join(tmp, n), dio, pool, c.obj)
+                        if isinstance(c, TorchSave)
+                        else write_file(be, os.path.join(tmp, n), dio, pool, [c])
+                        for n, c in files.items()
+                    ]
+                    own = await run_all(jobs)
+                    manifest = await asyncio.to_thread(_manifest, tmp, subdirectories, own, world_size)
+                    data = await asyncio.to_thread(dump_manifest, manifest)
+                    own.append(await write_file(be, os.path.join(tmp, MANIFEST_NAME), dio, pool, [data]))
+                    return own
+            finally:
+                pool.close()
+
+        own = _on_engine(write).result()
+        publish(tmp, final, self.overwrite)
+        return own
+
+
+def _manifest(tmp: str, subdirectories: list[str], own: list[FileRecord], world_size: int) -> Manifest:
+    """The checkpoint's manifest: ``own`` files, and every file of each DCP directory, by
+    ``<directory>/<name>`` with its entries, its own manifest included (checked byte for
+    byte: what the directory's reader trusts is covered too)."""
+    records = {r.name: r for r in own}
+    entries: dict[str, tuple[EntryRecord, ...]] = {}
+    for sub in subdirectories:
+        where = os.path.join(tmp, sub, MANIFEST_NAME)
+        raw = read_small(where, MAX_MANIFEST_BYTES)
+        inner = parse_manifest(raw, where)
+        for name, rec in inner.files.items():
+            records[f"{sub}/{name}"] = dataclasses.replace(rec, name=f"{sub}/{name}")
+        for name, listed in inner.entries.items():
+            entries[f"{sub}/{name}"] = listed
+        hasher = new_hasher()
+        hasher.update(raw)
+        records[f"{sub}/{MANIFEST_NAME}"] = FileRecord(f"{sub}/{MANIFEST_NAME}", len(raw), hasher.hexdigest())
+    return Manifest(
+        files=records,
+        tensors={},
+        skeleton={},
+        layout="fsdp",
+        world_size=world_size,
+        version=2,
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        entries=entries,
+    )
+
+
+def sharded_state_options(plugin: Any) -> Any:
+    """The ``StateDictOptions`` Accelerate's FSDP2 saving takes from its plugin (sharded:
+    ``full_state_dict=False``), so that the state dicts are the ones the stock save writes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(
+        full_state_dict=False,
+        cpu_offload=getattr(plugin.state_dict_config, "offload_to_cpu", False),
+        broadcast_from_rank0=getattr(plugin.state_dict_config, "rank0_only", False),
+    )
+
+
+def fsdp_states(model: torch.nn.Module, optimizers: list[Any], plugin: Any, index: int = 0) -> dict[str, Any]:
+    """The DCP directories stock FSDP saving writes for ``model`` (its ``index``-th) and
+    ``optimizers`` (theirs), as ``ShardedSaver.save`` takes them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    options = sharded_state_options(plugin)
+    states: dict[str, Any] = {
+        f"pytorch_model_fsdp_{index}": {"model": get_model_state_dict(model, options=options)}
+    }
+    for i, optimizer in enumerate(optimizers, index):
+        states[f"optimizer_{i}"] = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
+    return states
