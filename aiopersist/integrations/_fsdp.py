@@ -38,7 +38,6 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -72,7 +71,8 @@ class ShardedSave:
     def __init__(self, path: str, fences: list[_Fence], future: concurrent.futures.Future[SaveInfo]) -> None:
         self.path = path
         self._fences = fences
-        self._future = future
+        self.future = future
+        """Resolves to the `SaveInfo` of this rank once the checkpoint is published."""
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until this rank's tensors may change again (every byte of its shards has
@@ -86,7 +86,7 @@ class ShardedSave:
     def wait(self) -> SaveInfo:
         """Block until the checkpoint is published and durable (on every rank: the outcome
         is process 0's); raises the save's error."""
-        return self._future.result()
+        return self.future.result()
 
     @property
     def staged(self) -> bool:
@@ -94,31 +94,38 @@ class ShardedSave:
 
     @property
     def done(self) -> bool:
-        return self._future.done()
+        return self.future.done()
 
 
 class ShardedSaver:
     """Saves FSDP checkpoints in the Trainer's and Accelerate's layout (see the module
     docstring). Every rank makes one, with the same ``group`` (a gloo group of every
     rank, made for the saver: its collectives run in a background thread while training
-    runs its own). ``overwrite`` replaces an existing checkpoint atomically."""
+    runs its own)."""
 
-    def __init__(self, group: Any, *, backend: str = "auto", overwrite: bool = True) -> None:
+    def __init__(self, group: Any, *, backend: str = "auto") -> None:
         self.group = group
         self.backend = resolve_backend_name(backend)
-        self.overwrite = overwrite
+        self._last: concurrent.futures.Future[SaveInfo] | None = None
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._source = dist.get_global_rank(group, 0)
         self._thread = DaemonThreadPool(1, thread_name_prefix="aiopersist-fsdp")
 
     def save(
-        self, path: str | os.PathLike[str], states: Mapping[str, dict[str, Any]], files: Files | None = None
+        self,
+        path: str | os.PathLike[str],
+        states: Mapping[str, dict[str, Any]],
+        files: Files | None = None,
+        *,
+        overwrite: bool = False,
     ) -> ShardedSave:
         """Start saving ``states`` (DCP directory name → the state dict ``dcp.save`` takes,
         in the order written) and, on process 0, ``files`` (name → ``bytes`` or
         `TorchSave`) as the checkpoint ``path``. Every rank calls it, with the same
-        directory names, in the same order as its other saves."""
+        directory names, in the same order as its other saves. An existing checkpoint is
+        refused (`CheckpointExistsError`, from every rank's handle) unless ``overwrite``,
+        which replaces it atomically once the new one is durable."""
         final = os.path.abspath(os.fspath(path))
         names = list(states)
         for name in [*names, *(files or {})]:
@@ -126,7 +133,8 @@ class ShardedSaver:
         if files and self.rank != 0:
             raise ValueError("ShardedSaver.save: only process 0 writes the checkpoint's files")
         fences = [_new_fence() for _ in names]
-        future = self._thread.submit(self._run, final, dict(states), dict(files or {}), fences)
+        future = self._thread.submit(self._run, final, dict(states), dict(files or {}), fences, overwrite)
+        self._last = future
 
         def settle(f: concurrent.futures.Future[SaveInfo]) -> None:
             error = None if f.cancelled() else f.exception()
@@ -136,16 +144,26 @@ class ShardedSaver:
         future.add_done_callback(settle)
         return ShardedSave(final, fences, future)
 
+    def drain(self) -> None:
+        """Wait until the last save started has ended (its outcome is its handle's)."""
+        if self._last is not None:
+            concurrent.futures.wait([self._last])
+
     def close(self) -> None:
         self._thread.shutdown(wait=False)
 
     # -- the background thread ------------------------------------------------------------
 
     def _run(
-        self, final: str, states: dict[str, dict[str, Any]], files: Files, fences: list[_Fence]
+        self,
+        final: str,
+        states: dict[str, dict[str, Any]],
+        files: Files,
+        fences: list[_Fence],
+        overwrite: bool,
     ) -> SaveInfo:
         start = time.monotonic()
-        tmp = self._claim(final)
+        tmp = self._claim(final, overwrite)
         written: list[FileRecord] = []
         try:
             for (name, state), fence in zip(states.items(), fences, strict=True):
@@ -156,7 +174,7 @@ class ShardedSaver:
             error: BaseException | None = None
             if self.rank == 0:
                 try:
-                    written += self._publish(tmp, final, list(states), files)
+                    written += self._publish(tmp, final, list(states), files, overwrite)
                 except BaseException as exc:
                     error = exc
             self._outcome(error)
@@ -172,12 +190,12 @@ class ShardedSaver:
             backend=self.backend,
         )
 
-    def _claim(self, final: str) -> str:
+    def _claim(self, final: str, overwrite: bool) -> str:
         """Process 0 makes the temporary directory; every rank gets its path (or the error)."""
         message: list[Any] = [None]
         if self.rank == 0:
             try:
-                message[0] = ("ok", make_temp(final, self.overwrite, uuid.uuid4().hex[:12]).tmp)
+                message[0] = ("ok", make_temp(final, overwrite, uuid.uuid4().hex[:12]).tmp)
             except Exception as exc:
                 message[0] = ("error", exc)
         dist.broadcast_object_list(message, src=self._source, group=self.group)
@@ -193,7 +211,9 @@ class ShardedSaver:
         if message[0] is not None:
             raise message[0]
 
-    def _publish(self, tmp: str, final: str, subdirectories: list[str], files: Files) -> list[FileRecord]:
+    def _publish(
+        self, tmp: str, final: str, subdirectories: list[str], files: Files, overwrite: bool
+    ) -> list[FileRecord]:
         """On process 0: the files and the manifest into ``tmp``, then ``tmp`` published."""
         backend, world_size = self.backend, self.world_size
 
@@ -217,7 +237,7 @@ class ShardedSaver:
                 pool.close()
 
         own = _on_engine(write).result()
-        publish(tmp, final, self.overwrite)
+        publish(tmp, final, overwrite)
         return own
 
 
@@ -262,15 +282,32 @@ def sharded_state_options(plugin: Any) -> Any:
     )
 
 
-def fsdp_states(model: torch.nn.Module, optimizers: list[Any], plugin: Any, index: int = 0) -> dict[str, Any]:
-    """The DCP directories stock FSDP saving writes for ``model`` (its ``index``-th) and
-    ``optimizers`` (theirs), as ``ShardedSaver.save`` takes them."""
+def fsdp_states(models: list[Any], optimizers: list[Any], plugin: Any) -> dict[str, Any]:
+    """The DCP directories stock FSDP saving writes, as `ShardedSaver.save` takes them:
+    ``pytorch_model_fsdp_<i>`` for the ``i``-th model, ``optimizer_<i>`` for the ``i``-th
+    optimizer (whose parameters are the ``i``-th model's, as Accelerate pairs them)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     options = sharded_state_options(plugin)
-    states: dict[str, Any] = {
-        f"pytorch_model_fsdp_{index}": {"model": get_model_state_dict(model, options=options)}
-    }
-    for i, optimizer in enumerate(optimizers, index):
-        states[f"optimizer_{i}"] = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
+    states: dict[str, Any] = {}
+    for i, model in enumerate(models):
+        states[f"pytorch_model_fsdp_{i}"] = {"model": get_model_state_dict(model, options=options)}
+    for i, optimizer in enumerate(optimizers):
+        states[f"optimizer_{i}"] = {
+            "optimizer": get_optimizer_state_dict(models[i], optimizer, options=options)
+        }
     return states
+
+
+def check_plugin(plugin: Any, who: str) -> Any:
+    """``plugin`` (Accelerate's FSDP plugin) if ``who`` writes what it asks for: FSDP2 and
+    ``SHARDED_STATE_DICT``; `ValueError` saying what to use otherwise."""
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        raise ValueError(f"{who} supports FSDP2 (fsdp_version=2); this run uses FSDP1")
+    if "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
+        raise ValueError(
+            f"{who} under FSDP writes the sharded layout (state_dict_type='SHARDED_STATE_DICT'); this "
+            f"run's state_dict_type is {plugin.state_dict_type}, which gathers the whole state to "
+            "process 0 at every save"
+        )
+    return plugin

@@ -44,7 +44,8 @@ import asyncio
 import os
 import random
 import re
-from typing import Any
+import weakref
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -52,10 +53,11 @@ import torch
 from .. import _knobs
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Checkpointer, SaveHandle
-from .._dist import coordinator, process0_group
+from .._dist import background_group, coordinator, process0_group
 from .._exceptions import CheckpointExistsError
-from .._save import TorchSave
+from .._save import SaveInfo, TorchSave
 from ._common import delete_checkpoints, files_written_by, gather_objects, torch_bytes
+from ._fsdp import ShardedSave, ShardedSaver, check_plugin, fsdp_states
 
 
 def _rng_states(step: int) -> dict[str, Any]:
@@ -156,6 +158,13 @@ def _run_save_hooks(accelerator: Any, weights: list[dict[str, Any]], target: str
 
 def _plan(accelerator: Any, target: str) -> tuple[object, dict[str, bytes | TorchSave], Any]:
     """The model's state dict, the other files, and the group process 0 saves in."""
+    from accelerate.utils import DistributedType  # type: ignore[import-untyped]
+
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        raise ValueError(
+            f"aiopersist's save_state does not write {accelerator.distributed_type.value} checkpoints: "
+            "use accelerator.save_state (their engines save their own sharded states)"
+        )
     weights = [accelerator.get_state_dict(model, unwrap=False) for model in accelerator._models]
     hooked = _run_save_hooks(accelerator, weights, target)
     if len(weights) > 1:
@@ -180,6 +189,20 @@ def _plan(accelerator: Any, target: str) -> tuple[object, dict[str, bytes | Torc
             )
     for i, opt in enumerate(accelerator._optimizers):
         extra["optimizer.bin" if i == 0 else f"optimizer_{i}.bin"] = TorchSave(opt.state_dict())
+    extra.update(_state_files(accelerator))
+    group = None
+    if accelerator.num_processes > 1:
+        coord = coordinator()
+        assert coord is not None
+        group = process0_group(coord)
+    return model_state, extra, group
+
+
+def _state_files(accelerator: Any) -> dict[str, bytes | TorchSave]:
+    """What ``save_accelerator_state`` writes beside the models and optimizers: the
+    schedulers, samplers, data loader states, the scaler, the custom objects and every
+    process's RNG states (gathered: a collective, every process calls it)."""
+    extra: dict[str, bytes | TorchSave] = {}
     for i, sched in enumerate(accelerator._schedulers):
         extra["scheduler.bin" if i == 0 else f"scheduler_{i}.bin"] = torch_bytes(sched.state_dict())
     for i, loader in enumerate(accelerator._dataloaders):
@@ -201,12 +224,49 @@ def _plan(accelerator: Any, target: str) -> tuple[object, dict[str, bytes | Torc
         extra[f"custom_checkpoint_{i}.pkl"] = TorchSave(obj.state_dict())
     for rank, states in enumerate(gather_objects(_rng_states(accelerator.step))):
         extra[f"random_states_{rank}.pkl"] = torch_bytes(states)
-    group = None
-    if accelerator.num_processes > 1:
+    return extra
+
+
+def _is_fsdp(accelerator: Any) -> bool:
+    from accelerate.utils import DistributedType
+
+    return bool(accelerator.distributed_type == DistributedType.FSDP)
+
+
+_savers: weakref.WeakKeyDictionary[Checkpointer, ShardedSaver] = weakref.WeakKeyDictionary()
+"""The FSDP saver that goes with each checkpointer (made at its first FSDP save)."""
+
+
+def _save_fsdp(accelerator: Any, checkpointer: Checkpointer, target: str, overwrite: bool) -> ShardedSave:
+    """``save_state`` under FSDP: every process writes its shards of each model
+    (``pytorch_model_fsdp_<i>/``) and optimizer (``optimizer_<i>/``), as Accelerate's FSDP
+    saving lays them out, from a background thread; process 0 adds the other files and
+    publishes the checkpoint (see `aiopersist.integrations._fsdp`)."""
+    plugin = check_plugin(accelerator.state.fsdp_plugin, "aiopersist's save_state")
+    hooked = _run_save_hooks(accelerator, [], target)  # as save_state: under FSDP no weights
+    states = fsdp_states(accelerator._models, accelerator._optimizers, plugin)
+    extra: dict[str, bytes | TorchSave] = {**hooked, **_state_files(accelerator)}
+    saver = _savers.get(checkpointer)
+    if saver is None:
         coord = coordinator()
         assert coord is not None
-        group = process0_group(coord)
-    return model_state, extra, group
+        saver = _savers[checkpointer] = ShardedSaver(
+            background_group(coord), backend=checkpointer._backend_name
+        )
+    return saver.save(target, states, extra if accelerator.process_index == 0 else None, overwrite=overwrite)
+
+
+def _drain_fsdp(checkpointer: Checkpointer) -> None:
+    saver = _savers.get(checkpointer)
+    if saver is not None:
+        saver.drain()
+
+
+async def _as_handle(save: ShardedSave) -> SaveHandle:
+    """An FSDP save as the `SaveHandle` the rest of the API hands out."""
+    staged = asyncio.ensure_future(asyncio.to_thread(save.wait_staged))
+    done: asyncio.Future[SaveInfo | None] = asyncio.wrap_future(cast(Any, save.future))
+    return SaveHandle(save.path, staged, done)
 
 
 async def save_state(
@@ -220,8 +280,13 @@ async def save_state(
     docstring. ``checkpointer`` does the saving (keep one for the whole run)."""
     if _rotates(accelerator):
         await checkpointer.wait()  # the checkpoints in flight count, and are complete, before any goes
+        await asyncio.to_thread(_drain_fsdp, checkpointer)
         await asyncio.to_thread(_delete_outdated, accelerator)  # the scan and deletions off the loop
     target, replace = _target(accelerator, output_dir, overwrite)
+    if _is_fsdp(accelerator):
+        handle = await _as_handle(_save_fsdp(accelerator, checkpointer, target, replace))
+        accelerator.project_configuration.iteration += 1
+        return handle
     model_state, extra, group = _plan(accelerator, target)
     if accelerator.process_index != 0:
         handle = _done(target)
@@ -245,8 +310,14 @@ def save_state_blocking(
     durability."""
     if _rotates(accelerator):
         checkpointer.wait()
+        _drain_fsdp(checkpointer.checkpointer)
         _delete_outdated(accelerator)
     target, replace = _target(accelerator, output_dir, overwrite)
+    if _is_fsdp(accelerator):
+        sharded = _save_fsdp(accelerator, checkpointer.checkpointer, target, replace)
+        handle = BlockingSaveHandle(checkpointer._portal, checkpointer._portal.call(_as_handle, sharded))
+        accelerator.project_configuration.iteration += 1
+        return handle
     model_state, extra, group = _plan(accelerator, target)
     if accelerator.process_index != 0:
         handle = BlockingSaveHandle(checkpointer._portal, checkpointer._portal.call(_done_async, target))

@@ -77,7 +77,7 @@ from .._names import TMP_MARKER, TRAINER_STEPS, TRASH_MARKER
 from .._retention import SaveTotalLimit, to_delete
 from .._save import SaveInfo, TorchSave
 from ._common import delete_checkpoints, files_written_by, gather_objects, torch_bytes
-from ._fsdp import ShardedSave, ShardedSaver, fsdp_states
+from ._fsdp import ShardedSave, ShardedSaver, check_plugin, fsdp_states
 
 log = logging.getLogger("aiopersist")
 
@@ -330,8 +330,8 @@ class AioPersistCallback(TrainerCallback):
             if self._sharded is not None:
                 # FSDP: every rank writes its shards of the model and the optimizer, as the
                 # stock FSDP save lays them out; process 0 adds the files and publishes.
-                states = fsdp_states(cast(Any, trainer.model), [trainer.optimizer], self._fsdp)
-                handle = self._sharded.save(path, states, files)
+                states = fsdp_states([trainer.model], [trainer.optimizer], self._fsdp)
+                handle = self._sharded.save(path, states, files, overwrite=True)
             else:
                 # Under DDP process 0 writes alone, in a group of its own: no other rank takes part.
                 handle = self._ckpt.save(
@@ -507,18 +507,7 @@ def _fsdp_plugin(trainer: Trainer) -> Any:
     otherwise); `ValueError` for the FSDP configurations the callback does not write."""
     if not getattr(trainer, "is_fsdp_enabled", False):
         return None
-    plugin = cast(Any, trainer).accelerator.state.fsdp_plugin
-    if getattr(plugin, "fsdp_version", 1) != 2:
-        raise ValueError(
-            "AioPersistCallback supports FSDP2 (fsdp_config={'fsdp_version': 2}); this run uses FSDP1"
-        )
-    if "SHARDED_STATE_DICT" not in str(plugin.state_dict_type):
-        raise ValueError(
-            "AioPersistCallback under FSDP writes the sharded layout (fsdp_config={'state_dict_type': "
-            f"'SHARDED_STATE_DICT'}}); this run's state_dict_type is {plugin.state_dict_type}, which "
-            "gathers the whole state to process 0 at every save"
-        )
-    return plugin
+    return check_plugin(cast(Any, trainer).accelerator.state.fsdp_plugin, "AioPersistCallback")
 
 
 def _running_trainer(callback: AioPersistCallback) -> Trainer:

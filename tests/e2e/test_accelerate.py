@@ -264,3 +264,38 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("api", ["blocking", "async"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_state_under_fsdp2_is_the_stock_layout_and_load_state_restores_it(
+    tmp_path: Path, backend: str, api: str
+) -> None:
+    """Two processes, FSDP2 with SHARDED_STATE_DICT (Accelerate made to take the plugin on
+    CPU: tests/_cpu_fsdp.py): every process writes its shards; the checkpoint has the
+    stock save_state's files (plus the manifests), and the stock load_state restores the
+    weights, the RNG states and the scheduler, so that the next step ends as it does
+    from the stock checkpoint, bit for bit."""
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-port", str(_free_port()),
+            "-m", "tests._accelerate_fsdp_worker", str(tmp_path), backend, api,
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("report-*.json"))]
+    assert [r["rank"] for r in reports] == [0, 1]
+    for r in reports:
+        assert r["stock_restored"]
+        assert r["ours_restored"]
+        assert r["ours_rng"]
+        assert r["same_end"]
+
+    def files(d: Path) -> set[str]:
+        return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}
+
+    manifests = {"aiopersist.json", "pytorch_model_fsdp_0/aiopersist.json", "optimizer_0/aiopersist.json"}
+    assert files(tmp_path / "ours") == files(tmp_path / "stock") | manifests
+    assert reports[0]["verify"] == len(files(tmp_path / "ours")) - 1
