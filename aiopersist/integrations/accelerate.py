@@ -36,6 +36,12 @@ states are gathered to process 0 (a few KiB over the checkpoint's gloo group), w
 writes the whole directory, with the files of its own hooks. The model and optimizer are
 those of process 0, as with ``save_state`` under DDP. On other processes the handle is
 already resolved.
+
+Under FSDP2 with ``SHARDED_STATE_DICT`` every process writes its shards, in the layout of
+Accelerate's own FSDP saving (``pytorch_model_fsdp_<i>/`` and ``optimizer_<i>/`` DCP
+directories, see `aiopersist.integrations._fsdp`), and every process's handle resolves
+when the checkpoint is published. FSDP1, ``FULL_STATE_DICT``, DeepSpeed and Megatron-LM
+raise `ValueError`.
 """
 
 from __future__ import annotations

@@ -152,8 +152,13 @@ class AioPersistCallback(TrainerCallback):
     writes the checkpoint, with every rank's RNG state gathered to it, as the stock save
     lays it out.
 
-    Limits (checked at the start of training, with a clear error): one process or DDP
-    (not FSDP, not ``save_on_each_node``), no DeepSpeed (its optimizer step runs inside
+    Under FSDP2 with ``SHARDED_STATE_DICT`` every rank writes its shards of the model and
+    the optimizer, in the stock FSDP layout (``pytorch_model_fsdp_0/``, ``optimizer_0/``,
+    see `aiopersist.integrations._fsdp`), and process 0 the other files.
+
+    Limits (checked at the start of training, with a clear error): one process, DDP or
+    FSDP2 with ``SHARDED_STATE_DICT`` (not FSDP1, not ``FULL_STATE_DICT``, not
+    ``save_on_each_node``), no DeepSpeed (its optimizer step runs inside
     ``backward``, before any fence could be waited on), a ``Trainer`` whose class keeps
     the stock ``_save_checkpoint`` (an override would be bypassed). With ``push_to_hub``
     the checkpoints are not pushed (a warning says so).
