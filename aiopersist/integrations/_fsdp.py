@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import datetime
 import os
 import time
 import uuid
@@ -60,7 +59,7 @@ from .._save import SaveInfo, TorchSave, write_file, write_torch_save
 from .._staging import StagingPool
 from .._stream import run_all
 from .._workers import DaemonThreadPool
-from .dcp import AiopersistWriter, _Fence, _new_fence, _on_engine
+from .dcp import AiopersistWriter, _dcp_manifest, _Fence, _new_fence, _on_engine
 
 Files = Mapping[str, "bytes | TorchSave"]
 
@@ -258,16 +257,7 @@ def _manifest(tmp: str, subdirectories: list[str], own: list[FileRecord], world_
         hasher = new_hasher()
         hasher.update(raw)
         records[f"{sub}/{MANIFEST_NAME}"] = FileRecord(f"{sub}/{MANIFEST_NAME}", len(raw), hasher.hexdigest())
-    return Manifest(
-        files=records,
-        tensors={},
-        skeleton={},
-        layout="fsdp",
-        world_size=world_size,
-        version=2,
-        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        entries=entries,
-    )
+    return _dcp_manifest(records, entries, world_size, layout="fsdp")
 
 
 def sharded_state_options(plugin: Any) -> Any:

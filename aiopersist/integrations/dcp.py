@@ -63,7 +63,7 @@ import struct
 import threading
 import uuid
 import zipfile
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -530,16 +530,18 @@ def _make_in_place(path: str) -> None:
 
 def _dcp_manifest(
     files: dict[str, FileRecord],
-    entries: dict[str, list[EntryRecord]],
+    entries: Mapping[str, Sequence[EntryRecord]],
     world_size: int,
-    parts: tuple[str, ...],
+    parts: tuple[str, ...] = (),
+    layout: str = "dcp",
 ) -> Manifest:
-    """The manifest of a DCP directory: its files, and each data file's entries."""
+    """The manifest of a DCP directory (or, ``layout="fsdp"``, of a checkpoint holding DCP
+    directories): its files, and each data file's entries in order."""
     return Manifest(
         files=files,
         tensors={},
         skeleton={},
-        layout="dcp",
+        layout=layout,
         world_size=world_size,
         version=2,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
