@@ -1,6 +1,7 @@
 """A script for ``torchrun --nproc_per_node 2``: an ``Accelerator`` with an FSDP2 plugin
 (``SHARDED_STATE_DICT``) on CPU over gloo (made to take the plugin: `_cpu_fsdp`) prepares
-a model, an optimizer and a scheduler, and saves the same state twice: with the stock
+two models, each with its optimizer (``pytorch_model_fsdp_0/``, ``_1/``, ``optimizer_0/``,
+``_1/``), and a scheduler, and saves the same state twice: with the stock
 ``accelerator.save_state`` and with aiopersist's ``save_state_blocking`` (or, with
 ``async``, ``save_state``), training one step while ours is in flight. Then each is loaded
 back with the stock ``accelerator.load_state`` and one more step taken: both must end
@@ -36,17 +37,30 @@ def main(out: str, backend: str, api: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    head = torch.nn.Linear(8, 6)  # a second model (a critic, a head), with its own optimizer
+    head_opt = torch.optim.SGD(head.parameters(), lr=1e-2, momentum=0.9)
     model, opt, sched = accelerator.prepare(model, opt, sched)
+    head, head_opt = accelerator.prepare(head, head_opt)  # FSDP2: one model per prepare()
     torch.manual_seed(100 + accelerator.process_index)  # a different RNG state per rank
 
     def step() -> None:
-        accelerator.backward(model(torch.randn(4, 32)).pow(2).mean())
-        opt.step()
+        accelerator.backward(head(model(torch.randn(4, 32))).pow(2).mean())
+        for o in (opt, head_opt):
+            o.step()
         sched.step()
-        opt.zero_grad()
+        for o in (opt, head_opt):
+            o.zero_grad()
 
     def weights() -> dict[str, torch.Tensor]:
-        return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        out = {}
+        for i, m in enumerate((model, head)):
+            out.update({f"{i}.{k}": v.full_tensor().clone() for k, v in m.state_dict().items()})
+        for i, o in enumerate((opt, head_opt)):  # the optimizers' state: what a resume needs
+            for p, st in o.state.items():
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        out[f"opt{i}.{id(p)}.{k}"] = v.full_tensor().clone()
+        return out
 
     step()
     saved, rng = weights(), torch.get_rng_state()
@@ -93,7 +107,6 @@ def main(out: str, backend: str, api: str) -> None:
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3])
     torch.distributed.destroy_process_group()
-    # As in _dcp_worker: now and then torch's C++ teardown of the device mesh's gloo state
-    # aborts the interpreter's exit ("terminate called without an active exception"),
-    # after everything was done and reported (1 run in 5 or so under load; not traced).
+    # As in _dcp_worker: torch keeps the default group alive past destroy_process_group()
+    # under FSDP2, and its gloo threads can abort the interpreter's exit now and then.
     os._exit(0)

@@ -296,6 +296,9 @@ def test_save_state_under_fsdp2_is_the_stock_layout_and_load_state_restores_it(
     def files(d: Path) -> set[str]:
         return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}
 
-    manifests = {"aiopersist.json", "pytorch_model_fsdp_0/aiopersist.json", "optimizer_0/aiopersist.json"}
+    # Two models, each with its optimizer: one DCP directory each, as the stock save.
+    dcp_dirs = ["pytorch_model_fsdp_0", "pytorch_model_fsdp_1", "optimizer_0", "optimizer_1"]
+    assert {d for d in dcp_dirs if (tmp_path / "stock" / d / ".metadata").is_file()} == set(dcp_dirs)
+    manifests = {"aiopersist.json", *(f"{d}/aiopersist.json" for d in dcp_dirs)}
     assert files(tmp_path / "ours") == files(tmp_path / "stock") | manifests
     assert reports[0]["verify"] == len(files(tmp_path / "ours")) - 1
