@@ -15,8 +15,12 @@ save either commits on every rank or on none.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import datetime
 import os
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +29,42 @@ import torch
 from . import _knobs
 from ._exceptions import RankFailedError
 
-# The checkpoint's own gloo groups, by the group they serve (None: the default group).
-# Each entry keeps the default group and the served group it was made under: after
-# destroy_process_group() and a new init_process_group() those are new objects, and the
-# cached group (destroyed with the old world) must not be used, nor one cached under a
-# recycled id().
-_groups: dict[object, tuple[Any, Any, Any]] = {}
+# The checkpoint's own gloo groups, by the group they serve (None: the default group),
+# each as (the default group, the served group, the gloo group), all held weakly. Torch's
+# registry holds the groups until destroy_process_group(), and so does nothing here: a
+# group kept alive past it keeps its gloo threads running into interpreter shutdown,
+# where a thread dropping the last reference to a finished collective's tensors needs the
+# GIL, cannot have it, and aborts the process ("terminate called without an active
+# exception"). After destroy_process_group() and a new init_process_group(), the weak
+# references are dead, so a group of the old world is never used, nor one cached under
+# a recycled id().
+_groups: dict[object, tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]] = {}
+
+
+def _weak(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj``; a strong one to what takes none (``None``, and the
+    ``int`` torch gives ranks outside a group)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+class GroupRef:
+    """Holds a process group without keeping it alive past ``destroy_process_group()``
+    (see `_groups`); `get` returns it, or raises once it has been destroyed."""
+
+    def __init__(self, group: Any) -> None:
+        self._ref = _weak(group)
+
+    def get(self) -> Any:
+        group = self._ref()
+        if group is None:
+            raise RuntimeError(
+                "the process group this checkpoint was set up with has been destroyed "
+                "(torch.distributed.destroy_process_group): no rank can save through it any more"
+            )
+        return group
 
 
 @dataclass(frozen=True)
@@ -105,7 +139,9 @@ def coordinator(group: Any = None) -> Coordinator | None:
     key = id(group) if group is not None else None
     world_group = dist.group.WORLD
     entry = _groups.get(key)
-    gloo = entry[2] if entry is not None and entry[0] is world_group and entry[1] is group else None
+    gloo = None
+    if entry is not None and entry[0]() is world_group and entry[1]() is group:
+        gloo = entry[2]()
     if gloo is None:
         ranks = None if group is None else dist.get_process_group_ranks(group)
         timeout = datetime.timedelta(seconds=_knobs.dist_timeout())
@@ -121,14 +157,15 @@ def coordinator(group: Any = None) -> Coordinator | None:
                 f"making the checkpoint's gloo group failed (a rank died or did not call save within "
                 f"{timeout.total_seconds():.0f} s): {exc}"
             ) from exc
-        _groups[key] = (world_group, group, gloo)
+        _groups[key] = (_weak(world_group), _weak(group), _weak(gloo))
     rank = dist.get_rank(group)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     return Coordinator(rank, world, local_rank, gloo)
 
 
-_derived_groups: dict[tuple[object, str], tuple[Any, Any]] = {}
-"""(id(checkpoint group), which) -> (that group, the group made from it)."""
+_derived_groups: dict[tuple[object, str], tuple[Callable[[], Any], Callable[[], Any]]] = {}
+"""(id(checkpoint group), which) -> (that group, the group made from it), held weakly as
+`_groups` are."""
 
 
 def _derived_group(coord: Coordinator, which: str, ranks: list[int] | None) -> Any:
@@ -136,9 +173,15 @@ def _derived_group(coord: Coordinator, which: str, ranks: list[int] | None) -> A
 
     key = (id(coord.group), which)
     entry = _derived_groups.get(key)
-    if entry is None or entry[0] is not coord.group:
-        entry = _derived_groups[key] = (coord.group, dist.new_group(ranks, backend="gloo"))
-    return entry[1]
+    group = entry[1]() if entry is not None and entry[0]() is coord.group else None
+    if group is None:
+        # With the checkpoint's timeout, as the checkpoint group: a rank that died fails
+        # the others' saves after AIOPERSIST_DIST_TIMEOUT, not torch's 30 minutes.
+        group = dist.new_group(
+            ranks, backend="gloo", timeout=datetime.timedelta(seconds=_knobs.dist_timeout())
+        )
+        _derived_groups[key] = (_weak(coord.group), _weak(group))
+    return group
 
 
 def process0_group(coord: Coordinator) -> Any:
@@ -158,3 +201,24 @@ def background_group(coord: Coordinator) -> Any:
     checkpoint group, as `process0_group` is (a collective: every rank calls it, in the
     same order)."""
     return _derived_group(coord, "background", None)
+
+
+@atexit.register
+def _release_groups() -> None:
+    """At exit, while the interpreter is still whole: destroy the checkpoint's own groups
+    that the program left alive (it never called ``destroy_process_group()``), so that
+    their gloo threads are joined now rather than during interpreter shutdown (see
+    `_groups`). The training's groups are the program's, and are left alone."""
+    import torch.distributed as dist
+
+    ours = [ref() for entry in _groups.values() for ref in entry[2:]]
+    ours += [entry[1]() for entry in _derived_groups.values()]
+    _groups.clear()
+    _derived_groups.clear()
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    for group in ours:
+        if isinstance(group, dist.ProcessGroup):
+            # Destroyed already (ValueError), or failing: the process is exiting anyway.
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)

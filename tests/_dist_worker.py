@@ -162,11 +162,94 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
             os._exit(3)
         await aiopersist.save({"w": torch.ones(10)}, paths, replicated=True, backend=backend)
         return {}
+    if name in ("teardown", "teardown-at-exit"):
+        # What a job keeps across destroy_process_group(): a Checkpointer, and what the
+        # Trainer callback keeps (the process-0 group, the FSDP saver). None of it may keep
+        # a gloo group, and its threads, alive past it: a gloo thread still running at
+        # interpreter shutdown can abort the process's exit.
+        from aiopersist._dist import GroupRef, background_group, coordinator, process0_group
+        from aiopersist.integrations._fsdp import ShardedSaver  # imported before the group: see main()
+
+        before = gloo_threads()
+        state = model_state()
+        await aiopersist.save(state, paths[0], replicated=True, backend=backend)
+        ckpt = aiopersist.Checkpointer(backend=backend)
+        await (await ckpt.save(state, paths[0] + "-2", replicated=True)).done
+        coord = coordinator()
+        assert coord is not None
+        solo = GroupRef(process0_group(coord))
+        saver = ShardedSaver(background_group(coord), backend=backend)
+        del coord  # a save's own: kept by nothing once the save is over
+        await asyncio.to_thread(saver.save(paths[0] + "-3", {"model": {"w": torch.ones(64)}}).wait)
+        during = gloo_threads()
+        if name == "teardown-at-exit":  # a program that never calls destroy_process_group()
+            _KEPT.extend([ckpt, solo, saver])
+            return {"before": before, "during": during}
+        dist.destroy_process_group()
+        after = gloo_threads()
+        try:
+            stale = f"{saver.group!r} still usable"
+        except RuntimeError as exc:
+            stale = str(exc)
+        await ckpt.aclose()
+        return {"before": before, "during": during, "after": after, "stale": stale}
+    if name in ("sharded-disk-full", "sharded-dies"):
+        # The FSDP saver of the Trainer callback and Accelerate (every rank writes its
+        # shards into one directory) when a save fails: a first checkpoint is saved, then
+        # the second fails, on a full disk (the test mounted a small file system at
+        # base/small) or with rank 1 dying right after starting it.
+        from aiopersist._dist import background_group, coordinator
+        from aiopersist.integrations._fsdp import ShardedSaver
+
+        coord = coordinator()
+        assert coord is not None
+        saver = ShardedSaver(background_group(coord), backend=backend)
+        del coord
+        where = os.path.join(base, "small") if name == "sharded-disk-full" else base
+        first = {"model": {f"w{rank}": torch.full((1024,), float(rank))}}  # each rank its own
+        await asyncio.to_thread(saver.save(os.path.join(where, "ck-1"), first).wait)
+        size = (4 << 20) if name == "sharded-disk-full" else 1024  # 16 MiB a rank: more than fits
+        second = {"model": {f"w{rank}": torch.ones(size)}}
+        handle = saver.save(os.path.join(where, "ck-2"), second)
+        if name == "sharded-dies" and rank == 1:
+            os._exit(3)  # a rank that crashes while its save is in flight
+        outcome: dict[str, Any] = {}
+        for what, call in (("staged", handle.wait_staged), ("done", handle.wait)):
+            try:
+                await asyncio.to_thread(call)
+                outcome[what] = "ok"
+            except Exception as exc:  # BaseException would escape: DCP's own must not
+                outcome[what] = f"{type(exc).__name__}: {exc}"
+        # What was saved before is untouched: verify raises on anything wrong.
+        outcome["first"] = len((await aiopersist.verify(os.path.join(where, "ck-1"), backend=backend)).files)
+        return outcome
     raise SystemExit(f"unknown scenario {name}")
+
+
+_KEPT: list[Any] = []
+"""What a scenario keeps alive until the process exits."""
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (torch's and gloo's own)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that has just ended
+            pass
+    return sorted(n for n in names if "gloo" in n)
 
 
 def main() -> None:
     name, rank, world, port, base, backend = sys.argv[1:7]
+    if name.startswith("teardown"):
+        # Imported before the process group is made, as a training script imports it.
+        # Imported after it, torch.distributed.checkpoint (through torch.distributed.nn,
+        # whose functions take the default group as a default argument) holds the default
+        # group for good, past destroy_process_group(): torch's doing, not aiopersist's.
+        import aiopersist.integrations._fsdp  # noqa: F401
     if rank == "env":  # launched by torchrun: RANK, WORLD_SIZE, MASTER_ADDR, ... are set
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
         rank, world = str(dist.get_rank()), str(dist.get_world_size())
@@ -185,7 +268,8 @@ def main() -> None:
     # One write per line: under a launcher the ranks share one pipe.
     sys.stdout.write(json.dumps({"rank": int(rank), **out}) + "\n")
     sys.stdout.flush()
-    dist.destroy_process_group()
+    if dist.is_initialized() and name != "teardown-at-exit":
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -95,7 +95,6 @@ def main(out: str, backend: str) -> None:
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
     torch.distributed.destroy_process_group()
-    # As in _dcp_worker: now and then torch's C++ teardown of the device mesh's gloo state
-    # aborts the interpreter's exit ("terminate called without an active exception"),
-    # after everything was done and reported (1 run in 5 or so under load; not traced).
+    # As in _dcp_worker: torch keeps the default group alive past destroy_process_group()
+    # under FSDP2, and its gloo threads can abort the interpreter's exit now and then.
     os._exit(0)

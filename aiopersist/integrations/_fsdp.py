@@ -30,19 +30,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from .. import _knobs
 from .._backends import open_backend, resolve_backend_name
 from .._commit import make_temp, publish, remove_path
 from .._direct import probe_directory
+from .._dist import GroupRef
+from .._exceptions import RankFailedError
 from .._locate import read_small
 from .._manifest import (
     MAX_MANIFEST_BYTES,
@@ -103,7 +108,7 @@ class ShardedSaver:
     runs its own)."""
 
     def __init__(self, group: Any, *, backend: str = "auto") -> None:
-        self.group = group
+        self._group = GroupRef(group)  # not kept alive past destroy_process_group()
         self.backend = resolve_backend_name(backend)
         self._last: concurrent.futures.Future[SaveInfo] | None = None
         self.rank = dist.get_rank(group)
@@ -143,6 +148,11 @@ class ShardedSaver:
         future.add_done_callback(settle)
         return ShardedSave(final, fences, future)
 
+    @property
+    def group(self) -> Any:
+        """The saver's group (`RuntimeError` once it has been destroyed)."""
+        return self._group.get()
+
     def drain(self) -> None:
         """Wait until the last save started has ended (its outcome is its handle's)."""
         if self._last is not None:
@@ -168,7 +178,8 @@ class ShardedSaver:
             for (name, state), fence in zip(states.items(), fences, strict=True):
                 writer = AiopersistWriter(os.path.join(tmp, name), backend=self.backend, publish=False)
                 writer._fence = fence
-                dcp_save(state, storage_writer=writer, process_group=self.group)
+                with self._collective(f"writing {name}/"):
+                    dcp_save(state, storage_writer=writer, process_group=self.group)
                 written += [dataclasses.replace(r, name=f"{name}/{r.name}") for r in writer.written]
             error: BaseException | None = None
             if self.rank == 0:
@@ -189,6 +200,23 @@ class ShardedSaver:
             backend=self.backend,
         )
 
+    @contextlib.contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """The errors of the save's collectives, as aiopersist's: DCP's
+        ``CheckpointException`` (a ``BaseException``, which ``except Exception`` would let
+        through) becomes this rank's own error where it failed itself, `RankFailedError`
+        naming the rank where another failed; gloo's ``RuntimeError`` (a rank died, or did
+        not take part within ``AIOPERSIST_DIST_TIMEOUT``) becomes `RankFailedError`."""
+        try:
+            yield
+        except CheckpointException as exc:
+            raise _rank_error(exc, self.rank) from None
+        except RuntimeError as exc:
+            raise RankFailedError(
+                f"rank {self.rank}: {what} with the other ranks failed (a rank died or did not save "
+                f"within {_knobs.dist_timeout():.0f} s): {exc}"
+            ) from exc
+
     def _claim(self, final: str, overwrite: bool) -> str:
         """Process 0 makes the temporary directory; every rank gets its path (or the error)."""
         message: list[Any] = [None]
@@ -197,7 +225,13 @@ class ShardedSaver:
                 message[0] = ("ok", make_temp(final, overwrite, uuid.uuid4().hex[:12]).tmp)
             except Exception as exc:
                 message[0] = ("error", exc)
-        dist.broadcast_object_list(message, src=self._source, group=self.group)
+        try:
+            with self._collective("claiming the temporary directory"):
+                dist.broadcast_object_list(message, src=self._source, group=self.group)
+        except BaseException:
+            if self.rank == 0 and message[0] is not None and message[0][0] == "ok":  # never told
+                remove_path(message[0][1])
+            raise
         kind, value = message[0]
         if kind != "ok":
             raise value
@@ -206,7 +240,8 @@ class ShardedSaver:
     def _outcome(self, error: BaseException | None) -> None:
         """Every rank raises process 0's publishing error, or none."""
         message: list[Any] = [error]
-        dist.broadcast_object_list(message, src=self._source, group=self.group)
+        with self._collective("learning the outcome"):
+            dist.broadcast_object_list(message, src=self._source, group=self.group)
         if message[0] is not None:
             raise message[0]
 
@@ -238,6 +273,21 @@ class ShardedSaver:
         own = _on_engine(write).result()
         publish(tmp, final, overwrite)
         return own
+
+
+def _rank_error(exc: CheckpointException, rank: int) -> Exception:
+    """What this rank raises for DCP's ``CheckpointException``: its own error if it failed
+    itself, else `RankFailedError` naming the first rank that did."""
+    failures = exc.failures
+    own = failures.get(rank)
+    if own is not None and isinstance(own[0], Exception):
+        return own[0]
+    if not failures:
+        return RankFailedError(f"the save failed: {exc}")
+    first = min(failures)
+    error = failures[first][0]
+    more = f" (and on {len(failures) - 1} more ranks)" if len(failures) > 1 else ""
+    return RankFailedError(f"the save failed on rank {first}: {type(error).__name__}: {error}{more}")
 
 
 def _manifest(tmp: str, subdirectories: list[str], own: list[FileRecord], world_size: int) -> Manifest:

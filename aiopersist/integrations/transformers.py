@@ -71,7 +71,7 @@ except ModuleNotFoundError as exc:
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode
 from .._commit import remove_path
-from .._dist import background_group, coordinator, process0_group
+from .._dist import GroupRef, background_group, coordinator, process0_group
 from .._manager import StepInfo, scan
 from .._names import TMP_MARKER, TRAINER_STEPS, TRASH_MARKER
 from .._retention import SaveTotalLimit, to_delete
@@ -180,7 +180,7 @@ class AioPersistCallback(TrainerCallback):
         self._handle: BlockingSaveHandle | ShardedSave | None = None
         # Waits for the save in flight to commit, then rotates; each one joins the one before.
         self._committer: threading.Thread | None = None
-        self._group: Any = None
+        self._group: GroupRef | None = None
         # The checkpoints this training has started to save (on every rank): a save in
         # flight has no directory yet, but counts as one for the best checkpoint.
         self._started: set[str] = set()
@@ -228,7 +228,7 @@ class AioPersistCallback(TrainerCallback):
             else:
                 # Process 0 writes every checkpoint alone, in a group of its own. Making the
                 # group is a collective, so every rank makes it here, even when it never saves.
-                self._group = process0_group(coord)
+                self._group = GroupRef(process0_group(coord))
         if args.push_to_hub:
             log.warning("aiopersist: checkpoints saved by AioPersistCallback are not pushed to the Hub")
         if self._ckpt is None:
@@ -340,7 +340,11 @@ class AioPersistCallback(TrainerCallback):
             else:
                 # Under DDP process 0 writes alone, in a group of its own: no other rank takes part.
                 handle = self._ckpt.save(
-                    trainer.model, path, overwrite=True, extra_files=files, group=self._group
+                    trainer.model,
+                    path,
+                    overwrite=True,
+                    extra_files=files,
+                    group=None if self._group is None else self._group.get(),
                 )
             self._handle = handle
             if args.should_save:  # process 0 records the commits and rotates

@@ -130,6 +130,40 @@ def test_a_new_process_group_after_destroy_gets_a_new_checkpoint_group(tmp_path:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_no_gloo_group_of_aiopersist_outlives_destroy_process_group(tmp_path: Path, backend: str) -> None:
+    # Before, aiopersist's cache kept its gloo groups alive past destroy_process_group(),
+    # so their threads ran on into interpreter shutdown; one that dropped the last
+    # reference to a finished exchange's tensors there aborted the process ("terminate
+    # called without an active exception"), now and then, after the job had succeeded.
+    outs = run_ranks("teardown", tmp_path, backend)
+    assert all("ok" in o and o["rc"] == 0 for o in outs), outs
+    for out in outs:
+        ok = out["ok"]
+        assert len(ok["during"]) > len(ok["before"]) > 0  # the checkpoint's groups had threads
+        assert ok["after"] == [], ok  # and none is left: the training's groups were destroyed too
+        assert "has been destroyed" in ok["stale"]  # a saver kept past it says why it cannot save
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_job_that_never_destroys_its_process_group_exits_without_the_checkpoints_groups(
+    tmp_path: Path, backend: str
+) -> None:
+    # Most training scripts never call destroy_process_group(): aiopersist destroys its
+    # own groups at exit, while the interpreter is whole. The training's group is left
+    # to the program (here: the default group's threads are still there).
+    outs = run_ranks("teardown-at-exit", tmp_path, backend, worker="tests._exit_worker")
+    assert all("ok" in o and o["rc"] == 0 for o in outs), outs
+    for rank, out in enumerate(outs):
+        at_exit = json.loads((tmp_path / f"exit-{rank}.json").read_text())
+        # One transport loop per gloo group (named as soon as the group is connected; a
+        # group's other threads may not have named themselves yet right after init).
+        loops = {k: v.count("gloo_tcp_loop") for k, v in {**out["ok"], "at_exit": at_exit}.items()}
+        assert loops["before"] == 1, loops
+        assert loops["during"] > 1, loops
+        assert loops["at_exit"] == 1, (loops, at_exit)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sharded_dtensors_saved_on_two_ranks_load_whole_in_one(tmp_path: Path, backend: str) -> None:
     outs = run_ranks("sharded", tmp_path, backend)
     assert all("ok" in o for o in outs), outs
@@ -317,3 +351,46 @@ async def test_path_list_errors(tmp_path: Path) -> None:
     with pytest.raises(aiopersist.UnsupportedStateError, match="pickled"):
         await aiopersist.save({"a": object()}, [tmp_path / "x", tmp_path / "y"], allow_pickle=True)
     assert not (tmp_path / "x").exists()
+
+
+# -- the FSDP saver of the Hugging Face integrations, when a save fails ------------------
+
+
+def _sharded_failed(outcome: dict[str, Any]) -> None:
+    # The save raises an aiopersist error (never DCP's CheckpointException, a
+    # BaseException that `except Exception` lets through), and so does the fence if the
+    # save failed before every byte had left the tensors; the checkpoint saved before is
+    # untouched (the worker verified it).
+    typed = ("DiskFullError", "RankFailedError")
+    assert outcome["done"].split(":")[0] in typed, outcome
+    assert outcome["staged"] == "ok" or outcome["staged"].split(":")[0] in typed, outcome
+    assert outcome["first"] > 0
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sharded_save_on_a_full_disk_fails_everywhere_and_keeps_the_last_checkpoint(
+    tmp_path: Path, small_fs: Path, backend: str
+) -> None:
+    outs = run_ranks("sharded-disk-full", tmp_path, backend)
+    assert all("ok" in o for o in outs), outs
+    for out in outs:
+        _sharded_failed(out["ok"])
+    errors = [o["ok"]["done"] for o in outs]
+    assert any(e.startswith("DiskFullError") for e in errors), errors  # the rank that hit it says so
+    for e in errors:  # and a rank that did not names the one that did
+        assert e.startswith("DiskFullError") or ("DiskFullError" in e and "on rank" in e), errors
+    assert sorted(os.listdir(small_fs)) == ["ck-1"]  # nothing of the failed save is left
+    _no_leftovers(small_fs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_dying_in_a_sharded_save_does_not_hang_the_others(tmp_path: Path, backend: str) -> None:
+    outs = run_ranks("sharded-dies", tmp_path, backend, AIOPERSIST_DIST_TIMEOUT="10")
+    assert outs[1]["rc"] == 3
+    assert "ok" in outs[0], outs
+    _sharded_failed(outs[0]["ok"])
+    assert outs[0]["ok"]["done"].startswith("RankFailedError"), outs[0]
+    assert outs[0]["ok"]["staged"] != "ok", outs[0]  # the plan needs rank 1: nothing was staged
+    assert not (tmp_path / "ck-2").exists()
+    _no_leftovers(tmp_path)
