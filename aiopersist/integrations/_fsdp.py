@@ -172,14 +172,15 @@ class ShardedSaver:
         overwrite: bool,
     ) -> SaveInfo:
         start = time.monotonic()
-        tmp = self._claim(final, overwrite)
+        group = self.group  # raises here, not as a collective's failure, once destroyed
+        tmp = self._claim(final, overwrite, group)
         written: list[FileRecord] = []
         try:
             for (name, state), fence in zip(states.items(), fences, strict=True):
                 writer = AiopersistWriter(os.path.join(tmp, name), backend=self.backend, publish=False)
                 writer._fence = fence
                 with self._collective(f"writing {name}/"):
-                    dcp_save(state, storage_writer=writer, process_group=self.group)
+                    dcp_save(state, storage_writer=writer, process_group=group)
                 written += [dataclasses.replace(r, name=f"{name}/{r.name}") for r in writer.written]
             error: BaseException | None = None
             if self.rank == 0:
@@ -187,7 +188,7 @@ class ShardedSaver:
                     written += self._publish(tmp, final, list(states), files, overwrite)
                 except BaseException as exc:
                     error = exc
-            self._outcome(error)
+            self._outcome(error, group)
         except BaseException:
             if self.rank == 0:
                 remove_path(tmp)
@@ -217,7 +218,7 @@ class ShardedSaver:
                 f"within {_knobs.dist_timeout():.0f} s): {exc}"
             ) from exc
 
-    def _claim(self, final: str, overwrite: bool) -> str:
+    def _claim(self, final: str, overwrite: bool, group: Any) -> str:
         """Process 0 makes the temporary directory; every rank gets its path (or the error)."""
         message: list[Any] = [None]
         if self.rank == 0:
@@ -227,7 +228,7 @@ class ShardedSaver:
                 message[0] = ("error", exc)
         try:
             with self._collective("claiming the temporary directory"):
-                dist.broadcast_object_list(message, src=self._source, group=self.group)
+                dist.broadcast_object_list(message, src=self._source, group=group)
         except BaseException:
             if self.rank == 0 and message[0] is not None and message[0][0] == "ok":  # never told
                 remove_path(message[0][1])
@@ -237,11 +238,11 @@ class ShardedSaver:
             raise value
         return str(value)
 
-    def _outcome(self, error: BaseException | None) -> None:
+    def _outcome(self, error: BaseException | None, group: Any) -> None:
         """Every rank raises process 0's publishing error, or none."""
         message: list[Any] = [error]
         with self._collective("learning the outcome"):
-            dist.broadcast_object_list(message, src=self._source, group=self.group)
+            dist.broadcast_object_list(message, src=self._source, group=group)
         if message[0] is not None:
             raise message[0]
 
