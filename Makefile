@@ -4,6 +4,9 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Two workers (pytest-xdist), each file's tests kept together on one: most tests wait on
+# processes and disks, so two run in the time of one and a bit. PYTEST_WORKERS= runs serially.
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 
 .PHONY: setup test demo check bench clean gpu-bundle
 
@@ -12,7 +15,7 @@ setup:
 
 # pytest exits 5 when it collected no tests: that is a failure here, and said so.
 test: setup
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5) - failing" >&2; exit 1; fi; \
 	exit $$rc
 
