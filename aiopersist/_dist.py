@@ -211,7 +211,7 @@ def _release_groups() -> None:
     `_groups`). The training's groups are the program's, and are left alone."""
     import torch.distributed as dist
 
-    ours = [ref() for entry in _groups.values() for ref in entry[2:]]
+    ours = [entry[2]() for entry in _groups.values()]
     ours += [entry[1]() for entry in _derived_groups.values()]
     _groups.clear()
     _derived_groups.clear()

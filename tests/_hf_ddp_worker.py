@@ -17,12 +17,33 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 import transformers
 
 from aiopersist._bench.demo_trainer import Tokens
 from aiopersist.integrations.transformers import AioPersistCallback
+
+
+def cpu_training_args(run: str, **overrides: Any) -> transformers.TrainingArguments:
+    """The arguments every Trainer of these workers runs with (8 steps of batch 4 on the
+    CPU over gloo, a save every 2 steps where saving is on), plus ``overrides``."""
+    return transformers.TrainingArguments(
+        output_dir=run,
+        max_steps=8,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        save_steps=2,
+        logging_steps=1000,
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        ddp_backend="gloo",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **overrides,
+    )
 
 
 def tiny_gpt2() -> transformers.GPT2LMHeadModel:
@@ -63,20 +84,9 @@ def _train(out: str, mode: str, backend: str) -> None:
         "save_total_limit": 1,
         "load_best_model_at_end": True,
     }
-    args = transformers.TrainingArguments(
-        output_dir=run,
-        max_steps=8,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
+    args = cpu_training_args(
+        run,
         save_strategy="steps" if mode in ("callback", "model-only", "best", "best-stock") else "no",
-        save_steps=2,
-        logging_steps=1000,
-        report_to=[],
-        seed=0,
-        use_cpu=True,
-        ddp_backend="gloo",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         save_on_each_node=mode == "each-node",
         save_only_model=mode == "model-only",
         **(best_args if best else {}),

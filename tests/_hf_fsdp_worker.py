@@ -25,25 +25,14 @@ import transformers
 from aiopersist._bench.demo_trainer import Tokens
 from aiopersist.integrations.transformers import AioPersistCallback
 from tests._cpu_fsdp import force_fsdp_on_cpu
-from tests._hf_ddp_worker import Diverge, tiny_gpt2
+from tests._hf_ddp_worker import Diverge, cpu_training_args, tiny_gpt2
 
 
 def _trainer(run: str, callback: AioPersistCallback | None, state_dict_type: str) -> transformers.Trainer:
-    args = transformers.TrainingArguments(
-        output_dir=run,
-        max_steps=8,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
+    args = cpu_training_args(
+        run,
         save_strategy="steps",
-        save_steps=2,
         save_total_limit=2,
-        logging_steps=1000,
-        report_to=[],
-        seed=0,
-        use_cpu=True,
-        ddp_backend="gloo",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         fsdp=True,
         fsdp_config={"fsdp_version": 2, "state_dict_type": state_dict_type, "reshard_after_forward": True},
     )
