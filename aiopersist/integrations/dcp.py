@@ -568,8 +568,30 @@ def _pieces(item: WriteItem, planner: SavePlanner) -> list[Bytes | torch.Tensor]
     t = data.detach()
     if t.is_nested or t.layout != torch.strided:
         raise TypeError(f"{item.index.fqn}: {t.layout} tensors cannot be written")
-    head, tail = _archive_around(t.dtype, tuple(t.shape))
+    if t.is_conj() or t.is_neg():
+        # A lazy conjugate or negative view: its values are not the bytes it points at.
+        t = t.resolve_conj().resolve_neg()
+    framing = None if t.is_quantized else _framing(t.dtype, tuple(t.shape))
+    if framing is None:
+        # A tensor whose archive holds more than its bytes (a quantized tensor's scales):
+        # torch.save's own archive of it, as DCP's FileSystemWriter writes.
+        t = t.cpu()
+        if t.untyped_storage().nbytes() > t.nbytes:
+            t = t.clone()  # only its own elements, not the whole storage it views
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        return [buf.getbuffer()]
+    head, tail = framing
     return [head, t, tail] if t.numel() else [head + tail]
+
+
+def _framing(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes] | None:
+    """`_archive_around`, or ``None`` for a dtype that ``torch.save`` does not write as
+    plain bytes in one record."""
+    try:
+        return _archive_around(dtype, shape)
+    except (RuntimeError, TypeError, ValueError, pickle.PicklingError):
+        return None
 
 
 async def _write_rank_file(
@@ -875,9 +897,12 @@ def _raw_tensor(blob: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) 
     if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) and n >= 0 for n in shape):
         return None
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
+    if nbytes == 0 or nbytes > blob.numel():  # a claim the bytes read cannot hold: not acted on
         return None
-    head, tail = _archive_around(dtype, shape)
+    framing = _framing(dtype, shape)
+    if framing is None:
+        return None
+    head, tail = framing
     if blob.numel() != len(head) + nbytes + len(tail):
         return None
     raw = blob.numpy()
