@@ -139,6 +139,11 @@ class _Walker:
             raise UnsupportedStateError(f"{where}: tensors on {t.device.type} are not supported")
         if not supported_dtype(t.dtype):
             raise UnsupportedStateError(f"{where}: dtype {t.dtype} has no safetensors equivalent")
+        if t.numel() and not t.data_ptr():
+            raise UnsupportedStateError(
+                f"{where}: a {type(t).__name__} has no storage of its own (a wrapper tensor "
+                "subclass): save the plain tensors it holds"
+            )
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
         name = self.name_for(parts)

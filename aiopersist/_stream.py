@@ -531,7 +531,13 @@ memory stays alive until the copy has run."""
 def _copy_all_jobs(jobs: Sequence[_CopyJob]) -> None:
     for buf, offset, src, src_offset, n in jobs:
         if isinstance(src, torch.Tensor):
-            copy_bytes(buf.address + offset, src.data_ptr() + src_offset, n)
+            ptr = src.data_ptr()
+            if not ptr and n:  # never a copy from address 0: a tensor without storage of its own
+                raise ValueError(
+                    f"a {type(src).__name__} has no storage of its own (a wrapper tensor subclass): "
+                    "its bytes cannot be written"
+                )
+            copy_bytes(buf.address + offset, ptr + src_offset, n)
         else:
             buf.view[offset : offset + n] = src[src_offset : src_offset + n]
 

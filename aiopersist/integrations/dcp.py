@@ -571,12 +571,14 @@ def _pieces(item: WriteItem, planner: SavePlanner) -> list[Bytes | torch.Tensor]
     if t.is_conj() or t.is_neg():
         # A lazy conjugate or negative view: its values are not the bytes it points at.
         t = t.resolve_conj().resolve_neg()
-    framing = None if t.is_quantized else _framing(t.dtype, tuple(t.shape))
+    plain = type(t) is torch.Tensor and not t.is_quantized
+    framing = _framing(t.dtype, tuple(t.shape)) if plain else None
     if framing is None:
-        # A tensor whose archive holds more than its bytes (a quantized tensor's scales):
-        # torch.save's own archive of it, as DCP's FileSystemWriter writes.
+        # A tensor whose archive holds more than its bytes (a quantized tensor's scales, a
+        # tensor subclass and what it wraps): torch.save's own archive of it, as DCP's
+        # FileSystemWriter writes.
         t = t.cpu()
-        if t.untyped_storage().nbytes() > t.nbytes:
+        if type(t) is torch.Tensor and t.untyped_storage().nbytes() > t.nbytes:
             t = t.clone()  # only its own elements, not the whole storage it views
         buf = io.BytesIO()
         torch.save(t, buf)

@@ -346,6 +346,36 @@ def test_tensors_that_are_more_than_their_bytes_round_trip_as_with_stock_dcp(
     assert report.kind == "aiopersist"
 
 
+def test_tensor_subclasses_are_written_as_stock_dcp_writes_them(backend_name: str, tmp_path: Path) -> None:
+    """A tensor subclass goes through torch.save's own archive, as with DCP's writer: a
+    wrapper subclass (no storage of its own, a data pointer of 0) is never read from
+    memory, and a plain subclass keeps its class. Both readers give them back (their
+    classes allowed for ``weights_only``, as stock ``dcp.load`` needs too)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a = torch.randn(4, 3)
+    state = {"two": TwoTensor(a, a * 2), "sub": a.clone().as_subclass(_Marked), "plain": a}
+    ck = tmp_path / "ck"
+    dcp.save(state, checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
+    for reader in (FileSystemReader(str(ck)), AiopersistReader(backend=backend_name)):
+        got = {
+            "two": TwoTensor(torch.zeros(4, 3), torch.zeros(4, 3)),
+            "sub": torch.zeros(4, 3).as_subclass(_Marked),
+            "plain": torch.zeros(4, 3),
+        }
+        with torch.serialization.safe_globals([TwoTensor, _Marked]):
+            dcp.load(got, checkpoint_id=str(ck), storage_reader=reader)
+        assert torch.equal(got["two"].a, a)
+        assert torch.equal(got["two"].b, a * 2)
+        assert torch.equal(got["sub"], a)
+        assert torch.equal(got["plain"], a)
+    asyncio.run(aiopersist.verify(ck, backend=backend_name))
+
+
+class _Marked(torch.Tensor):
+    """A plain tensor subclass (with storage of its own)."""
+
+
 def test_metadata_claims_the_bytes_cannot_hold_are_not_acted_on(backend_name: str, tmp_path: Path) -> None:
     """DCP's own directory has no checksums: a ``.metadata`` that claims a chunk far larger
     than its entry, or a dtype torch.save cannot write as plain bytes, is not believed

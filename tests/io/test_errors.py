@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.testing._internal.two_tensor import TwoTensor
 
 import aiopersist
 from aiopersist._cli import main as cli
@@ -255,6 +256,15 @@ async def test_nested_and_exotic_tensors_are_refused_by_path(backend_name: str, 
         await aiopersist.save({"s": torch.eye(3).to_sparse()}, tmp_path / "c", backend=backend_name)
     with pytest.raises(aiopersist.UnsupportedStateError, match=r"state\['m'\]: tensors on meta"):
         await aiopersist.save({"m": torch.empty(3, device="meta")}, tmp_path / "c", backend=backend_name)
+    # A wrapper subclass has no storage of its own (its data pointer is 0): never read from.
+    two = TwoTensor(torch.ones(4, 3), torch.zeros(4, 3))
+    with pytest.raises(
+        aiopersist.UnsupportedStateError, match=r"state\['w'\]\['t'\]: a TwoTensor has no storage"
+    ):
+        await aiopersist.save({"w": {"t": two}}, tmp_path / "c", backend=backend_name)
+    async with aiopersist.Checkpointer(backend=backend_name) as ck:
+        with pytest.raises(aiopersist.UnsupportedStateError, match=r"a TwoTensor has no storage"):
+            await ck.save({"t": two}, tmp_path / "c")
     assert os.listdir(tmp_path) == []
 
 

@@ -54,6 +54,26 @@ async def test_exact_size_and_content(
     pool.close()
 
 
+async def test_a_tensor_without_storage_is_refused_not_read_from_address_0(
+    backend: aiopersist.IOBackend, tmp_path: Path
+) -> None:
+    """A wrapper tensor subclass reports a data pointer of 0: the writer raises instead of
+    copying from there (which would crash the process), however the tensor is queued."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    dio = aiopersist.probe_directory(tmp_path)
+    pool = aiopersist.StagingPool(CHUNK, 3)
+    for small in (True, False):
+        n = 64 if small else 3 * CHUNK  # queued in a buffer's batch, or written on its own
+        two = TwoTensor(torch.ones(n, dtype=torch.uint8), torch.ones(n, dtype=torch.uint8))
+        assert two.data_ptr() == 0
+        with pytest.raises(ValueError, match="TwoTensor has no storage of its own"):
+            async with FileWriter(backend, tmp_path / f"f{n}", dio, pool) as w:
+                await w.write_stable([_bytes(100), two, _bytes(10)])
+        assert pool.in_use == 0
+    pool.close()
+
+
 async def test_many_small_pieces_land_in_order_with_the_rest(
     backend: aiopersist.IOBackend, io_mode: str, tmp_path: Path
 ) -> None:
