@@ -36,7 +36,7 @@ restricted unpickler), and loads tensor entries with ``weights_only=True``. Valu
 are not tensors are deserialized by DCP's planner, as stock ``dcp.load`` does
 (``torch.load`` with ``weights_only=False``): load those only from checkpoints you trust.
 
-`FenceStager` makes ``dcp.async_save`` copy nothing (aiopersist's fence semantics).
+`FenceStager` makes ``dcp.async_save`` copy no tensor (aiopersist's fence semantics).
 
 ``disks=[...]`` spreads the ranks' files over several disks (rank ``i`` to disk ``i mod
 D``), in part directories published with the checkpoint.
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import dataclasses
 import datetime
 import io
@@ -156,25 +157,92 @@ def _archive_around(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, 
         return found
     proto = torch.empty(shape, dtype=dtype)  # never touched: its pages are never faulted in
     nbytes = proto.numel() * proto.element_size()
-    buf = io.BytesIO()
     if nbytes == 0:  # nothing to put around: the archive itself
+        buf = io.BytesIO()
         torch.save(proto, buf)
         return buf.getvalue(), b""
+    archive = _SkippedArchive()
     with torch.serialization.skip_data():
-        torch.save(proto, buf)
-    raw = buf.getvalue()
-    with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+        torch.save(proto, cast(Any, archive))  # a file-like object, as torch.save takes
+    start = len(archive.before)
+    if archive.skipped != nbytes:
+        raise RuntimeError(f"unexpected torch.save archive layout for {dtype} {list(shape)}")
+    archive.seek(0)
+    with zipfile.ZipFile(archive) as zf:  # reads the headers only, never the skipped bytes
         records = [i for i in zf.infolist() if i.filename.endswith("/data/0")]
     if len(records) != 1 or records[0].file_size != nbytes:
         raise RuntimeError(f"unexpected torch.save archive layout for {dtype} {list(shape)}")
     header = records[0].header_offset
-    name_len, extra_len = struct.unpack_from("<HH", raw, header + 26)
-    start = header + 30 + name_len + extra_len
-    parts = (raw[:start], raw[start + nbytes :])
+    name_len, extra_len = struct.unpack_from("<HH", archive.before, header + 26)
+    if header + 30 + name_len + extra_len != start:
+        raise RuntimeError(f"unexpected torch.save archive layout for {dtype} {list(shape)}")
+    parts = (bytes(archive.before), bytes(archive.after))
     if len(_ARCHIVES) >= _ARCHIVES_KEPT:
         _ARCHIVES.pop(next(iter(_ARCHIVES)))
     _ARCHIVES[key] = parts
     return parts
+
+
+class _SkippedArchive(io.RawIOBase):
+    """The file ``torch.save`` writes under ``skip_data``, holding the bytes written and
+    only the length of the data record it skips (one seek forward), not as many zeros:
+    framing a tensor costs no memory of the tensor's size. Then readable, with zeros in
+    the gap, for `zipfile` to check the layout (it reads headers only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before = bytearray()
+        self.after = bytearray()
+        self.skipped = 0
+        self._pos = 0
+
+    @property
+    def _size(self) -> int:
+        return len(self.before) + self.skipped + len(self.after)
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        raw = bytes(memoryview(data).cast("B"))
+        if self._pos != self._size:
+            raise RuntimeError("torch.save wrote out of order")
+        (self.after if self.skipped else self.before).extend(raw)
+        self._pos += len(raw)
+        return len(raw)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        target = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence] + offset
+        if target > self._size:  # a skip forward: the data record, once, before anything after it
+            if self.skipped or self._pos != self._size or self.after:
+                raise RuntimeError("torch.save skipped more than one record")
+            self.skipped = target - self._size
+        self._pos = target
+        return target
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = min(len(out), self._size - self._pos)
+        gap_start, gap_end = len(self.before), len(self.before) + self.skipped
+        for i in range(n):  # headers only: a few dozen bytes at a time
+            at = self._pos + i
+            if at < gap_start:
+                out[i] = self.before[at]
+            elif at < gap_end:
+                out[i] = 0
+            else:
+                out[i] = self.after[at - gap_end]
+        self._pos += n
+        return n
 
 
 # -- the writer ---------------------------------------------------------------------------------
@@ -231,9 +299,26 @@ def _new_fence() -> _Fence:
     return _Fence(ready)
 
 
+def _copy_all_but_tensors(obj: Any) -> Any:
+    """``obj`` with its dicts, lists and tuples rebuilt and every value that is not a
+    tensor deep-copied; the tensors themselves are the same objects."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps a dict subclass and what it carries (default_factory)
+        for k, v in obj.items():
+            out[k] = _copy_all_but_tensors(v)
+        return out
+    if type(obj) is list:
+        return [_copy_all_but_tensors(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_copy_all_but_tensors(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 class FenceStager:
     """A DCP ``AsyncStager`` with aiopersist's fence semantics: ``dcp.async_save``
-    returns at once and copies nothing; the writer reads the live tensors while training
+    returns at once and copies no tensor; the writer reads the live tensors while training
     goes on, and `wait_staged` returns once every byte of this rank's tensors has left
     them (copied into the writer's staging buffers), which is what the next optimizer
     step must wait for. Memory: the staging pool, not a copy of the state.
@@ -246,7 +331,9 @@ class FenceStager:
         optimizer.step()
 
     Nothing may change the saved tensors in place before `wait_staged` returns (the
-    optimizer step, or buffers that a forward pass updates in place). CUDA tensors are
+    optimizer step, or buffers that a forward pass updates in place); the rest of the
+    state (a step counter, a learning-rate list) is copied by ``async_save`` and may
+    change at once. CUDA tensors are
     read as they were when ``async_save`` was called on the caller's current stream.
     Only DCP's thread executor (the default) is supported: a process executor would write
     from a copy of the writer that this stager cannot see. When training runs collectives
@@ -269,14 +356,18 @@ class FenceStager:
         return False
 
     def stage(self, state_dict: Any) -> Any:
-        """No copy: arm the writer's fence for this save and hand the live state on."""
+        """No copy of the tensors: arm the writer's fence for this save and hand on the
+        state with its tensors live. Everything else in it (its containers, and the values
+        that are not tensors: a step, a learning-rate list) is copied here, as DCP's own
+        stager copies it, so that training may change those at once."""
         if self._fence is not None and not self._fence.wait(0):
             raise RuntimeError(
                 "FenceStager: the previous save has not staged yet; "
                 "call wait_staged() before the next async_save"
             )
+        staged = _copy_all_but_tensors(state_dict)
         self._fence = self.writer._fence = _new_fence()
-        return state_dict
+        return staged
 
     def wait_staged(
         self, upload: concurrent.futures.Future[Any] | None = None, timeout: float | None = None
@@ -372,6 +463,13 @@ class AiopersistWriter(StorageWriter):
         return self.path
 
     def set_up_storage_writer(self, is_coordinator: bool, **kwargs: Any) -> None:
+        try:
+            self._set_up(is_coordinator, **kwargs)
+        except BaseException as exc:
+            self._fail_fence(exc)
+            raise
+
+    def _set_up(self, is_coordinator: bool, **kwargs: Any) -> None:
         if not kwargs.get("use_collectives", True):
             raise ValueError(
                 "AiopersistWriter needs DCP's collectives (use_collectives=True): the coordinator "
@@ -397,6 +495,13 @@ class AiopersistWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """On the coordinator: claim the temporary directory (refusing an existing
         checkpoint unless ``overwrite``) and hand every rank its prefix and the token."""
+        try:
+            return self._claim(plans)
+        except BaseException as exc:
+            self._fail_fence(exc)
+            raise
+
+    def _claim(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = uuid.uuid4().hex[:12]
         ndirs = len(self._paths())
         if self.publish:
@@ -411,7 +516,25 @@ class AiopersistWriter(StorageWriter):
             for i, plan in enumerate(plans)
         ]
 
+    def _fail_fence(self, error: BaseException) -> None:
+        """This rank's part of the save failed before its write started: the fence of a
+        `FenceStager` waiting on it is released with the error (and never reused)."""
+        fence, self._fence = self._fence, None
+        if fence is not None:
+            fence.fail(error)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fence, self._fence = self._fence, None
+        try:
+            return self._write_data(plan, planner, fence)
+        except BaseException as exc:  # before the write started: nothing else ends the wait
+            if fence is not None:
+                fence.fail(exc)
+            raise
+
+    def _write_data(
+        self, plan: SavePlan, planner: SavePlanner, fence: _Fence | None
+    ) -> Future[list[WriteResult]]:
         where: _Prefix = plan.storage_data
         if not isinstance(where, _Prefix):
             raise ValueError(
@@ -433,7 +556,6 @@ class AiopersistWriter(StorageWriter):
         items = sorted(plan.items, key=lambda it: it.type != WriteItemType.BYTE_IO)
         pieces = [_pieces(item, planner) for item in items]
         backend = self.backend
-        fence, self._fence = self._fence, None
         ready = fence.cuda_ready if fence is not None else {}
         staged = fence.set if fence is not None else None
 

@@ -10,6 +10,8 @@ import io
 import json
 import os
 import pickle
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -248,19 +250,26 @@ def test_bytes_entries_are_dcps_own_bytes(tmp_path: Path) -> None:
 
 
 def test_fence_stager_copies_nothing_and_the_fence_holds(backend_name: str, tmp_path: Path) -> None:
-    """async_save with the fence stager returns the live state to DCP (no copy); once
-    wait_staged returns, changing the tensors in place (the optimizer step) does not
-    change what is written."""
+    """async_save with the fence stager hands DCP the live tensors (no copy) and copies
+    the rest (containers, values that are not tensors); once wait_staged returns,
+    changing the tensors in place (the optimizer step) does not change what is written,
+    and the rest may change at once."""
     from aiopersist.integrations.dcp import FenceStager
 
     ck = tmp_path / "ck"
     state = _state()
     state["model"]["big"] = torch.randn(4096, 1024)  # 16 MiB: many staging buffers
     expected = {k: v.clone() for k, v in state["model"].items()}
-    assert FenceStager(AiopersistWriter()).stage(state) is state  # DCP's upload thread gets the live state
+    staged = FenceStager(AiopersistWriter()).stage(state)
+    assert all(staged["model"][k] is v for k, v in state["model"].items())  # the live tensors
+    assert staged["extra"] == state["extra"]
+    assert staged["extra"]["lr"] is not state["extra"]["lr"]  # the rest: copied
     writer = AiopersistWriter(backend=backend_name)
     stager = FenceStager(writer)
     upload = dcp.async_save(state, checkpoint_id=str(ck), storage_writer=writer, async_stager=stager)
+    state["step"] += 1  # training goes on at once: values that are not tensors
+    state["extra"]["lr"][0] = 0.5
+    state["extra"]["name"] = "changed"
     stager.wait_staged(upload)
     for t in state["model"].values():
         if t.numel() and t.dtype.is_floating_point:
@@ -271,6 +280,8 @@ def test_fence_stager_copies_nothing_and_the_fence_holds(backend_name: str, tmp_
     dcp.load(target, checkpoint_id=str(ck), storage_reader=AiopersistReader(backend=backend_name))
     for k, v in expected.items():
         assert torch.equal(target["model"][k], v), k
+    assert target["step"] == 42
+    assert target["extra"] == {"lr": [1e-3, 3e-4], "name": "run"}
 
 
 def test_fence_stager_ends_the_wait_with_the_saves_error(tmp_path: Path) -> None:
@@ -288,6 +299,64 @@ def test_fence_stager_ends_the_wait_with_the_saves_error(tmp_path: Path) -> None
     armed.stage({})
     with pytest.raises(RuntimeError, match="has not staged yet"):
         armed.stage({})  # a second save before the first one's fence
+
+
+def test_fence_stager_ends_the_wait_when_this_ranks_writer_fails(backend_name: str, tmp_path: Path) -> None:
+    """A failure in this rank's writer before its write starts (a value DCP cannot
+    serialize, an existing checkpoint refused while claiming) ends the wait even without
+    ``upload`` (as ``synchronize_staging`` waits), and the stager takes the next save."""
+    from aiopersist.integrations.dcp import FenceStager
+
+    ck = tmp_path / "ck"
+    writer = AiopersistWriter(backend=backend_name)
+    stager = FenceStager(writer)
+    upload = dcp.async_save(
+        {"w": torch.ones(4), "bad": _NotSerializable()},
+        checkpoint_id=str(ck),
+        storage_writer=writer,
+        async_stager=stager,
+    )
+    with pytest.raises(pickle.PicklingError):
+        stager.wait_staged(timeout=60)
+    _refused(upload.result, "PicklingError")
+    upload = dcp.async_save(
+        {"w": torch.ones(4)}, checkpoint_id=str(ck), storage_writer=writer, async_stager=stager
+    )
+    stager.synchronize_staging()
+    upload.result()
+    upload = dcp.async_save(
+        {"w": torch.ones(4)}, checkpoint_id=str(ck), storage_writer=writer, async_stager=stager
+    )
+    with pytest.raises(aiopersist.CheckpointExistsError):
+        stager.wait_staged(timeout=60)  # the coordinator's claim refused it
+    _refused(upload.result, "already exists")
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+
+
+class _NotSerializable:
+    """A value DCP cannot serialize (a stager may still copy it)."""
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _NotSerializable:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise pickle.PicklingError("this value cannot be pickled")
+
+
+def test_framing_a_tensor_costs_no_memory_of_its_size() -> None:
+    """The torch.save bytes around a tensor's are made without a buffer of the tensor's
+    size (torch.save skips the data; nothing fills the gap): framing a 3 GiB tensor stays
+    far below 3 GiB of peak memory, in a fresh process."""
+    code = (
+        "import resource, torch\n"
+        "from aiopersist.integrations.dcp import _archive_around\n"
+        "head, tail = _archive_around(torch.float32, (768 << 20,))\n"
+        "assert len(head) < 4096 and len(tail) < 4096, (len(head), len(tail))\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) < 1 << 20, proc.stdout  # KiB: under 1 GiB
 
 
 def test_the_readers_own_entries_are_read_without_unpickling(
