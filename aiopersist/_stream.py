@@ -616,9 +616,13 @@ async def read_segments(
     window = pool.buffer_bytes
     direct: list[tuple[int, torch.Tensor]] = []  # (file offset, destination slice)
     staged: list[tuple[int, torch.Tensor]] = []
+    end = 0
     for off, dest in segs:
         if not dest.is_contiguous() or dest.dtype != torch.uint8:
             raise ValueError("read_segments needs contiguous 1-D uint8 destinations")
+        if off < end:  # each staging window fills the segments that start in order after it
+            raise ValueError(f"read_segments: the segment at {off} overlaps the one before")
+        end = off + dest.numel()
         k0, k1 = _direct_part(off, dest, dio)
         if k1 - k0 < window:  # not worth a request of its own
             k0 = k1 = 0

@@ -60,6 +60,7 @@ import logging
 import math
 import os
 import pickle
+import pickletools
 import struct
 import threading
 import uuid
@@ -69,7 +70,15 @@ from typing import Any, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -714,7 +723,7 @@ def _framing(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes] 
     plain bytes in one record."""
     try:
         return _archive_around(dtype, shape)
-    except (RuntimeError, TypeError, ValueError, pickle.PicklingError):
+    except Exception:  # e.g. sub-byte dtypes: torch.save does not know them
         return None
 
 
@@ -797,6 +806,197 @@ _METADATA_CLASSES = frozenset(
 )
 _PATHS = frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"})
 MAX_METADATA_BYTES = 1 << 30
+
+
+MAX_PICKLE_DEPTH = 64
+"""How deeply DCP's metadata may nest (it needs about ten levels)."""
+MAX_KEY_WEIGHT = 1024
+"""How many objects a dict key or set member of DCP's metadata may be made of, shared
+parts counted each time they appear (a key is hashed and compared whole)."""
+
+
+def _pickle_ops() -> dict[str, tuple[int, int, int, int]]:
+    """Per opcode: what it does to the stack, for `_check_pickle_shape`: (kind, items it
+    pops before a mark or without one, items it pushes, which of them are keys)."""
+    special = {"MARK": 1, "PUT": 2, "BINPUT": 2, "LONG_BINPUT": 2, "MEMOIZE": 3, "GET": 4, "BINGET": 4,
+               "LONG_BINGET": 4, "POP": 5, "POP_MARK": 6, "DUP": 7, "STOP": 8}  # fmt: skip
+    keys = {"SETITEM": 1, "SETITEMS": 2, "DICT": 2, "ADDITEMS": 3, "FROZENSET": 3}
+    table = {}
+    for op in pickletools.opcodes:
+        before = op.stack_before
+        if op.name in special:
+            table[op.code] = (special[op.name], 0, 0, 0)
+        elif pickletools.markobject in before:  # pops to the mark, then the items before it
+            table[op.code] = (
+                9,
+                before.index(pickletools.markobject),
+                len(op.stack_after),
+                keys.get(op.name, 0),
+            )
+        else:
+            table[op.code] = (0, len(before), len(op.stack_after), keys.get(op.name, 0))
+    return table
+
+
+_PICKLE_OPS = _pickle_ops()
+
+
+def _check_pickle_shape(raw: bytes, where: str) -> None:
+    """Walk the pickle's opcodes (without running any) and refuse, before it is
+    unpickled, what would make unpickling or hashing its objects blow up: a count that
+    claims more bytes than the pickle holds, objects nested deeper than
+    `MAX_PICKLE_DEPTH`, and dict keys or set members heavier than `MAX_KEY_WEIGHT`
+    (a tuple a million deep crashes the interpreter's hash; one built of itself twice,
+    a hundred times over, never finishes hashing). Each stack item is tracked as its
+    depth and its weight (objects in it, shared ones counted each time)."""
+    mark = (-1, -1)  # told apart by identity: an item is never this object
+    stack: list[tuple[int, int]] = []
+    memo: dict[int, tuple[int, int]] = {}
+    table = _PICKLE_OPS
+    leaf = (0, 1)
+    deepest = MAX_PICKLE_DEPTH
+    append = stack.append
+    try:
+        for op, arg, _ in pickletools.genops(raw):
+            kind, pops, pushes, keys = table[op.code]
+            if kind == 0:
+                if pops == 0:
+                    if pushes:
+                        append(leaf)
+                    continue
+                if pushes == 1 and pops <= 2 and not keys:  # the common case, without lists
+                    d, w = stack[-1]
+                    if pops == 2:
+                        del stack[-1]
+                        d0, w0 = stack[-1]
+                        d, w = max(d, d0), w + w0
+                    if d >= deepest:
+                        raise ValueError(f"objects nested more than {deepest} deep")
+                    stack[-1] = (d + 1, w + 1)
+                    continue
+                children = stack[-pops:]
+                del stack[-pops:]
+                if keys == 1 and children[1][1] > MAX_KEY_WEIGHT:  # SETITEM: dict, key, value
+                    raise ValueError("a dict key too large to hash")
+            elif kind == 9:
+                at = len(stack) - 1
+                while stack[at] is not mark:
+                    at -= 1
+                marked = stack[at + 1 :]
+                children = stack[at - pops : at] + marked if pops else marked
+                del stack[at - pops :]
+                if keys and any(w > MAX_KEY_WEIGHT for _, w in (marked[0::2] if keys == 2 else marked)):
+                    raise ValueError("a dict key or set member too large to hash")
+            elif kind == 1:
+                stack.append(mark)
+                continue
+            elif kind == 2:
+                memo[cast(int, arg)] = stack[-1]
+                continue
+            elif kind == 3:
+                memo[len(memo)] = stack[-1]
+                continue
+            elif kind == 4:
+                stack.append(memo[cast(int, arg)])
+                continue
+            elif kind == 5:
+                stack.pop()
+                continue
+            elif kind == 6:
+                while stack.pop() is not mark:
+                    pass
+                continue
+            elif kind == 7:
+                stack.append(stack[-1])
+                continue
+            else:  # STOP
+                break
+            depth = 1 + max((d for d, _ in children), default=-1)
+            if depth > MAX_PICKLE_DEPTH:
+                raise ValueError(f"objects nested more than {MAX_PICKLE_DEPTH} deep")
+            item = (depth, 1 + sum(w for _, w in children))
+            if pushes == 1:
+                stack.append(item)
+            elif pushes:
+                stack.extend([item] * pushes)
+    except Exception as exc:  # also: truncated, a count past the end, a bad memo or stack
+        raise CheckpointCorruptError(f"{where}: not DCP metadata ({type(exc).__name__}: {exc})") from exc
+
+
+def _dims(value: object, what: str, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
+    ):
+        raise CheckpointCorruptError(f"{where}: {what} is not a list of sizes")
+    return tuple(value)
+
+
+def _check_metadata(metadata: object, where: str) -> None:
+    """DCP's ``Metadata`` as DCP writes it, checked before anything acts on it: every
+    value of a known type with its fields (the restricted unpickler lets a pickle build
+    objects with any fields), every tensor's chunks inside the tensor, each once, with a
+    storage record, and every value that is not a tensor with one."""
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{where}: not DCP metadata")
+    tensors = getattr(metadata, "state_dict_metadata", None)
+    records = getattr(metadata, "storage_data", None)
+    if not isinstance(tensors, dict) or not isinstance(records, dict):
+        raise CheckpointCorruptError(f"{where}: not DCP metadata with storage records")
+    if not all(isinstance(i, MetadataIndex) and isinstance(getattr(i, "fqn", None), str) for i in records):
+        raise CheckpointCorruptError(f"{where}: a storage record is not keyed by a DCP index")
+    meta = getattr(metadata, "storage_meta", None)
+    if meta is not None and not isinstance(meta, StorageMeta):
+        raise CheckpointCorruptError(f"{where}: storage_meta is a {type(meta).__name__}")
+    for fqn, md in tensors.items():
+        if not isinstance(fqn, str):
+            raise CheckpointCorruptError(f"{where}: a value named by a {type(fqn).__name__}")
+        if isinstance(md, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in records:
+                raise CheckpointCorruptError(f"{where}: {fqn}: no storage record")
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointCorruptError(f"{where}: {fqn}: a {type(md).__name__}, not DCP's")
+        props = getattr(md, "properties", None)
+        if not isinstance(props, TensorProperties) or not isinstance(
+            getattr(props, "dtype", None), torch.dtype
+        ):
+            raise CheckpointCorruptError(f"{where}: {fqn}: no tensor properties with a dtype")
+        size = _dims(getattr(md, "size", None), f"{fqn}'s size", where)
+        chunks = getattr(md, "chunks", None)
+        if not isinstance(chunks, list | tuple):
+            raise CheckpointCorruptError(f"{where}: {fqn}: its chunks are not a list")
+        seen: set[tuple[int, ...]] = set()
+        for chunk in chunks:
+            if not isinstance(chunk, ChunkStorageMetadata):
+                raise CheckpointCorruptError(f"{where}: {fqn}: a chunk that is a {type(chunk).__name__}")
+            offsets = _dims(getattr(chunk, "offsets", None), f"{fqn}'s chunk offsets", where)
+            sizes = _dims(getattr(chunk, "sizes", None), f"{fqn}'s chunk sizes", where)
+            if len(offsets) != len(size) or len(sizes) != len(size):
+                raise CheckpointCorruptError(f"{where}: {fqn}: a chunk of another rank than the tensor")
+            if any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
+                raise CheckpointCorruptError(
+                    f"{where}: {fqn}: a chunk at {list(offsets)} reaches past the tensor"
+                )
+            if offsets in seen:
+                raise CheckpointCorruptError(f"{where}: {fqn}: the chunk at {list(offsets)} is listed twice")
+            seen.add(offsets)
+            if MetadataIndex(fqn, torch.Size(offsets)) not in records:
+                raise CheckpointCorruptError(
+                    f"{where}: {fqn}: the chunk at {list(offsets)} has no storage record"
+                )
+
+
+def _check_apart(ranges: Sequence[tuple[int, int]], where: str) -> None:
+    """Sorted ``[begin, end)`` byte ranges of one file: none may overlap another (DCP
+    never writes overlapping entries; reading them would hand out bytes twice, and
+    their total could exceed the file)."""
+    end = 0
+    for b, e in ranges:
+        if b == e:
+            continue  # empty: reads nothing
+        if b < end:
+            raise CheckpointCorruptError(f"{where}: bytes {b}..{e} overlap another record's")
+        end = e
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -898,24 +1098,31 @@ class AiopersistReader(StorageReader):
             actual.update(raw)
             if len(raw) != rec.nbytes or actual.hexdigest() != rec.checksum:
                 raise CheckpointCorruptError(f"{meta_path}: checksum mismatch (damaged since it was written)")
+        _check_pickle_shape(raw, meta_path)
         try:
             metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
         except Exception as exc:
             raise CheckpointCorruptError(
                 f"{meta_path}: not DCP metadata ({type(exc).__name__}: {exc})"
             ) from exc
-        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-            raise CheckpointCorruptError(f"{meta_path}: not DCP metadata with storage records")
+        _check_metadata(metadata, meta_path)
+        ranges: dict[str, set[tuple[int, int]]] = {}
         for index, info in metadata.storage_data.items():
-            self._check_record(root, index, info)
+            name = self._check_record(root, index, info)
+            ranges.setdefault(name, set()).add((info.offset, info.offset + info.length))
+        for name, found in ranges.items():
+            _check_apart(sorted(found), f"{meta_path}: the records of {name}")
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return cast(Metadata, metadata)  # checked above
 
-    def _check_record(self, root: str, index: object, info: object) -> None:
+    def _check_record(self, root: str, index: object, info: object) -> str:
+        """The name of the file a storage record points into, once the record is checked."""
         where = f"{root}/{METADATA_FILE}: {index}"
-        if not isinstance(info, _StorageInfo):
+        if not isinstance(info, _StorageInfo) or not all(
+            hasattr(info, f) for f in ("relative_path", "offset", "length", "transform_descriptors")
+        ):
             raise CheckpointCorruptError(f"{where}: not a storage record")
         if self._checked:  # aiopersist's manifest lists every file
             found = (
@@ -929,6 +1136,10 @@ class AiopersistReader(StorageReader):
         else:
             name = safe_file_name(info.relative_path, where)
             self._files[name] = (name, os.path.join(root, name))
+        if info.transform_descriptors is not None and not isinstance(
+            info.transform_descriptors, list | tuple
+        ):
+            raise CheckpointCorruptError(f"{where}: transforms that are not a list")
         if info.transform_descriptors:
             raise CheckpointCorruptError(
                 f"{where}: stored with transforms {list(info.transform_descriptors)}, which AiopersistReader "
@@ -937,7 +1148,7 @@ class AiopersistReader(StorageReader):
         for value in (info.offset, info.length):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise CheckpointCorruptError(f"{where}: offset and length must be non-negative ints")
-        if self._entries:
+        if self._checked:  # aiopersist's manifest checksums every entry a record may point at
             if (name, info.offset, info.offset + info.length) not in self._entries:
                 raise CheckpointCorruptError(
                     f"{where}: bytes {info.offset}+{info.length} of {name} are no checked entry"
@@ -948,6 +1159,7 @@ class AiopersistReader(StorageReader):
             raise CheckpointCorruptError(
                 f"{where}: bytes {info.offset}+{info.length} run past the end of {name}"
             )
+        return name
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **kwargs: Any) -> None:
         if metadata.storage_data is None:
@@ -970,7 +1182,7 @@ class AiopersistReader(StorageReader):
         the engine, check each against its checksum, then hand them to the planner."""
         wanted: dict[tuple[str, int, int], torch.Tensor] = {}
         for req in plan.items:
-            info = self.storage_data[req.storage_index]
+            info = self._record(req)
             key = (info.relative_path, info.offset, info.offset + info.length)
             if key not in wanted:
                 wanted[key] = torch.empty(info.length, dtype=torch.uint8)
@@ -991,11 +1203,17 @@ class AiopersistReader(StorageReader):
                 )
         loaded: dict[tuple[str, int, int], torch.Tensor] = {}
         for req in plan.items:
-            info = self.storage_data[req.storage_index]
+            info = self._record(req)
             key = (info.relative_path, info.offset, info.offset + info.length)
             blob = wanted[key]
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(blob.numpy().tobytes()))
+                try:
+                    planner.load_bytes(req, io.BytesIO(blob.numpy().tobytes()))
+                except Exception as exc:  # DCP's deserializing of bytes it cannot read
+                    raise CheckpointCorruptError(
+                        f"{files[key[0]][1]} bytes {key[1]}..{key[2]}: not a value DCP can read "
+                        f"({type(exc).__name__}: {exc})"
+                    ) from exc
                 continue
             if key not in loaded:
                 index = req.storage_index
@@ -1007,6 +1225,12 @@ class AiopersistReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _record(self, req: ReadItem) -> _StorageInfo:
+        info = self.storage_data.get(req.storage_index)
+        if info is None:
+            raise CheckpointCorruptError(f"{self._path()}: no storage record for {req.storage_index}")
+        return info
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

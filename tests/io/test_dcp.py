@@ -446,10 +446,10 @@ class _Marked(torch.Tensor):
 
 
 def test_metadata_claims_the_bytes_cannot_hold_are_not_acted_on(backend_name: str, tmp_path: Path) -> None:
-    """DCP's own directory has no checksums: a ``.metadata`` that claims a chunk far larger
-    than its entry, or a dtype torch.save cannot write as plain bytes, is not believed
-    (no allocation of what it claims, no untyped error): the entry is read for what it is,
-    as stock DCP reads it."""
+    """DCP's own directory has no checksums: a ``.metadata`` whose chunk is larger than
+    its tensor is refused before anything is allocated for it, and a dtype torch.save
+    cannot write as plain bytes is not believed (no untyped error): the entry is read
+    for what it is, as stock DCP reads it."""
     state = {"w": torch.randn(30, 20), "v": torch.randn(50)}
     for claim in ("huge", "quantized"):
         ck = tmp_path / claim
@@ -464,5 +464,12 @@ def test_metadata_claims_the_bytes_cannot_hold_are_not_acted_on(backend_name: st
             md.properties.dtype = torch.qint8
         (ck / ".metadata").write_bytes(pickle.dumps(metadata))
         got = {k: torch.zeros_like(v) for k, v in state.items()}
-        dcp.load(got, checkpoint_id=str(ck), storage_reader=AiopersistReader(backend=backend_name))
+        reader = AiopersistReader(backend=backend_name)
+        if claim == "huge":
+            _refused(
+                lambda: dcp.load(got, checkpoint_id=str(ck), storage_reader=reader),  # noqa: B023
+                "w: a chunk at [0, 0] reaches past the tensor",
+            )
+            continue
+        dcp.load(got, checkpoint_id=str(ck), storage_reader=reader)
         assert all(torch.equal(got[k], state[k]) for k in state), claim

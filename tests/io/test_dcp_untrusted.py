@@ -1,0 +1,275 @@
+"""Damaged and hostile torch.distributed.checkpoint directories, read by `AiopersistReader`
+on both backends: what ``.metadata`` claims is checked before anything acts on it, and
+every failure is a typed error naming what was wrong, never a crash, a hang, wrong
+values, or memory sized by a claim."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+import aiopersist
+from aiopersist._stream import read_segments
+from aiopersist.integrations.dcp import AiopersistReader, AiopersistWriter, _check_pickle_shape
+from tests.io.test_corruption import _rewrite_manifest
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+A = MetadataIndex("a", torch.Size([0]))
+
+
+def _stock(path: Path) -> dict[str, Any]:
+    state = {"a": torch.arange(4000.0), "b": {"x": 1, "name": "run"}}
+    dcp.save(state, checkpoint_id=str(path), storage_writer=FileSystemWriter(str(path)))
+    return state
+
+
+def _target() -> dict[str, Any]:
+    return {"a": torch.zeros(4000), "b": {"x": 0, "name": ""}}
+
+
+def _metadata(path: Path) -> Metadata:
+    with open(path / ".metadata", "rb") as f:
+        metadata: Metadata = pickle.load(f)
+    return metadata
+
+
+def _refused(path: Path, backend_name: str, match: str) -> None:
+    """DCP wraps the reader's error (in its CheckpointException, or an AssertionError for
+    metadata): the message must name what was wrong."""
+    with pytest.raises(BaseException) as info:  # noqa: PT011 - DCP's wrapper, checked below
+        dcp.load(_target(), checkpoint_id=str(path), storage_reader=AiopersistReader(backend=backend_name))
+    assert match in str(info.value), str(info.value)[-2000:]
+
+
+def _no_record(md: Metadata) -> None:
+    del md.storage_data[A]
+
+
+def _str_key(md: Metadata) -> None:
+    md.storage_data["a"] = md.storage_data.pop(A)  # type: ignore[index]
+
+
+def _storage_meta_int(md: Metadata) -> None:
+    md.storage_meta = 5  # type: ignore[assignment]
+
+
+def _offsets_int(md: Metadata) -> None:
+    md.state_dict_metadata["a"].chunks[0].offsets = 5  # type: ignore[union-attr,misc]
+
+
+def _no_properties(md: Metadata) -> None:
+    md.state_dict_metadata["a"].properties = None  # type: ignore[union-attr]
+
+
+def _no_chunks(md: Metadata) -> None:
+    md.state_dict_metadata["a"].chunks = None  # type: ignore[union-attr]
+
+
+def _chunk_twice(md: Metadata) -> None:
+    chunks = md.state_dict_metadata["a"].chunks  # type: ignore[union-attr]
+    chunks.append(chunks[0])
+
+
+def _bytes_without_record(md: Metadata) -> None:
+    md.state_dict_metadata["a"] = BytesStorageMetadata()
+
+
+def _transforms_not_a_list(md: Metadata) -> None:
+    md.storage_data[A] = _StorageInfo("__0_0.distcp", 0, 5, transform_descriptors=5)  # type: ignore[arg-type]
+
+
+def _record_without_length(md: Metadata) -> None:
+    info = _StorageInfo.__new__(_StorageInfo)
+    info.__dict__.update(relative_path="__0_0.distcp", offset=0)
+    md.storage_data[A] = info
+
+
+def _overlapping_records(md: Metadata) -> None:
+    inner = md.storage_data[A]
+    md.storage_data[MetadataIndex("b.x")] = _StorageInfo(inner.relative_path, inner.offset + 8, 64)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (_no_record, "a: the chunk at [0] has no storage record"),
+        (_str_key, "a storage record is not keyed by a DCP index"),
+        (_storage_meta_int, "storage_meta is a int"),
+        (_offsets_int, "a's chunk offsets is not a list of sizes"),
+        (_no_properties, "a: no tensor properties with a dtype"),
+        (_no_chunks, "a: its chunks are not a list"),
+        (_chunk_twice, "a: the chunk at [0] is listed twice"),
+        (_bytes_without_record, "a: no storage record"),
+        (_transforms_not_a_list, "transforms that are not a list"),
+        (_record_without_length, "not a storage record"),
+        (_overlapping_records, "overlap another record's"),
+    ],
+)
+def test_malformed_metadata_is_refused_before_it_is_used(
+    backend_name: str, tmp_path: Path, mutate: Callable[[Metadata], None], match: str
+) -> None:
+    """Objects of DCP's metadata classes built with missing or mistyped fields (the
+    restricted unpickler lets a pickle set any), records missing or overlapping (reading
+    them would hand out bytes twice, or whatever memory a buffer held): a typed refusal
+    naming the part, where these used to escape as KeyError, TypeError, AttributeError
+    or load leftover memory as values."""
+    ck = tmp_path / "ck"
+    _stock(ck)
+    md = copy.deepcopy(_metadata(ck))
+    mutate(md)
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    _refused(ck, backend_name, match)
+
+
+def test_a_manifest_without_entries_checks_nothing_less(backend_name: str, tmp_path: Path) -> None:
+    """A forged manifest (re-sealed) that drops every entry's checksum does not turn the
+    per-entry checks off: each record must still be a checked entry."""
+    ck = tmp_path / "ck"
+    dcp.save({"a": torch.arange(4000.0)}, checkpoint_id=str(ck), storage_writer=AiopersistWriter())
+    _rewrite_manifest(ck, lambda doc: doc.pop("entries"))
+    _refused(ck, backend_name, "are no checked entry")
+
+
+def test_a_damaged_value_entry_is_a_typed_error(backend_name: str, tmp_path: Path) -> None:
+    """DCP's own directory has no checksums: a value entry (not a tensor) that DCP cannot
+    deserialize is a CheckpointCorruptError naming the bytes, as a tensor entry is."""
+    ck = tmp_path / "ck"
+    _stock(ck)
+    info = _metadata(ck).storage_data[MetadataIndex("b.x")]
+    with open(ck / info.relative_path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(bytes(info.length))
+    _refused(ck, backend_name, f"bytes {info.offset}..{info.offset + info.length}: not a value DCP can read")
+
+
+def test_sub_byte_dtypes_claimed_load_as_stock_dcp_does(backend_name: str, tmp_path: Path) -> None:
+    """A chunk claimed to be of a dtype torch.save cannot frame (sub-byte ones) is read
+    for what its entry holds, as stock DCP reads it, not an untyped KeyError."""
+    ck = tmp_path / "ck"
+    state = _stock(ck)
+    md = _metadata(ck)
+    md.state_dict_metadata["a"].properties.dtype = torch.uint4  # type: ignore[union-attr]
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    got = _target()
+    dcp.load(got, checkpoint_id=str(ck), storage_reader=AiopersistReader(backend=backend_name))
+    assert torch.equal(got["a"], state["a"])
+
+
+def _deep_key(depth: int) -> bytes:
+    """A dict whose key is a tuple ``depth`` deep (hashing it recurses in C)."""
+    return b"\x80\x04}" + b")" + b"\x85" * depth + b"Ns."
+
+
+def _doubling_key(levels: int) -> bytes:
+    """A dict keyed by t(n), t(i+1) = (t(i), t(i)) through the memo: 2**n to hash."""
+    body = b")\x940"
+    for i in range(levels):
+        body += b"j" + struct.pack("<I", i) + b"j" + struct.pack("<I", i) + b"\x86\x940"
+    return b"\x80\x04}" + body + b"j" + struct.pack("<I", levels) + b"Ns."
+
+
+def _claims_bytes(n: int) -> bytes:
+    """A BINBYTES8 whose count claims ``n`` bytes the pickle does not hold."""
+    return b"\x80\x04\x8e" + struct.pack("<Q", n) + b"x."
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (_deep_key(1_000_000), "objects nested more than 64 deep"),
+        (_doubling_key(30), "too large to hash"),
+        (_doubling_key(100), "objects nested more than 64 deep"),
+        (_claims_bytes(16 << 30), "expected 17179869184 bytes"),
+        (b"\x80\x04}", "pickle exhausted before seeing STOP"),
+    ],
+    ids=["deep-key", "doubling-key", "doubling-deep", "claimed-bytes", "truncated"],
+)
+def test_pickle_bombs_in_metadata_are_refused_unread(
+    backend_name: str, tmp_path: Path, raw: bytes, match: str
+) -> None:
+    """A tiny ``.metadata`` that would crash the interpreter (a key a million tuples deep),
+    never finish (a key built of itself twice, a hundred times), or allocate what a count
+    claims, is refused from its opcodes before anything is unpickled. In a fresh process
+    each: a regression crashes or hangs that process, not the suite."""
+    ck = tmp_path / "ck"
+    _stock(ck)
+    (ck / ".metadata").write_bytes(raw)
+    code = (
+        "import sys, torch, torch.distributed.checkpoint as dcp\n"
+        "from aiopersist.integrations.dcp import AiopersistReader\n"
+        "try:\n"
+        f"    dcp.load({{'a': torch.zeros(4000)}}, checkpoint_id={str(ck)!r},\n"
+        f"             storage_reader=AiopersistReader(backend={backend_name!r}))\n"
+        "except BaseException as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "REFUSED" in proc.stdout
+    assert match in proc.stdout, proc.stdout[-2000:]
+
+
+def test_real_metadata_passes_the_opcode_walk() -> None:
+    """Every pickle protocol, and DCP's metadata of a sharded state with many chunks."""
+    value = {(1, (2, 3)): [1, {2: 3}], "f": frozenset({1, 2}), "s": {4, 5}, "t": (), "n": None}
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        _check_pickle_shape(pickle.dumps(value, protocol=protocol), "x")
+    _check_pickle_shape(pickle.dumps(_many_chunks()), "x")
+
+
+def _many_chunks() -> Metadata:
+    tensors: dict[str, Any] = {}
+    records: dict[MetadataIndex, _StorageInfo] = {}
+    for i in range(200):
+        chunks = [ChunkStorageMetadata(torch.Size([r * 8, 0]), torch.Size([8, 64])) for r in range(4)]
+        tensors[f"layers.{i}.w"] = TensorStorageMetadata(
+            TensorProperties(torch.bfloat16), torch.Size([32, 64]), chunks
+        )
+        for r, c in enumerate(chunks):
+            records[MetadataIndex(f"layers.{i}.w", c.offsets)] = _StorageInfo(f"__{r}_0.distcp", i * 100, 100)
+    return Metadata(tensors, storage_data=records)
+
+
+@pytest.mark.asyncio
+async def test_read_segments_refuses_overlapping_segments(
+    backend: aiopersist.IOBackend, tmp_path: Path
+) -> None:
+    """Each staging window fills the segments that start in order after it: overlapping
+    ones would leave parts of a destination unread, so they are refused up front."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 16))
+    dio = await asyncio.to_thread(aiopersist.probe_directory, tmp_path)
+    pool = aiopersist.StagingPool(1 << 14, 2)
+    try:
+        outer, inner = torch.empty(4096, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8)
+        with pytest.raises(ValueError, match="overlaps the one before"):
+            await read_segments(backend, path, dio, pool, [(0, outer), (800, inner)])
+        await read_segments(backend, path, dio, pool, [(0, outer), (4096, inner)])  # touching is fine
+        assert outer.numpy().tobytes() == path.read_bytes()[:4096]
+    finally:
+        pool.close()
