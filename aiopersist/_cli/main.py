@@ -657,6 +657,7 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         with Progress("verify") as bar:
             report = asyncio.run(verify(args.path, backend=args.backend, progress=bar.update))
+        _check_dcp_metadata(report.files)
     except CheckpointNotFoundError as exc:
         print(f"not found: {printable(str(exc))}")
         return 1
@@ -669,6 +670,18 @@ def _verify(args: argparse.Namespace) -> int:
         line += " (headers only: this format has no checksums)"
     print(line)
     return 0
+
+
+def _check_dcp_metadata(files: tuple[str, ...]) -> None:
+    """Each torch.distributed.checkpoint directory among the verified files (a DCP
+    checkpoint, or the sharded state of an FSDP one): its ``.metadata`` read as a load
+    reads it, so that what its checksum cannot tell (metadata forged with its manifest)
+    is reported too."""
+    from ..integrations.dcp import METADATA_FILE, AiopersistReader
+
+    for path in files:
+        if os.path.basename(path) == METADATA_FILE:
+            AiopersistReader(os.path.dirname(path)).read_metadata()
 
 
 # -- ls and gc ------------------------------------------------------------------------------

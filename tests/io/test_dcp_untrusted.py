@@ -273,3 +273,32 @@ async def test_read_segments_refuses_overlapping_segments(
         assert outer.numpy().tobytes() == path.read_bytes()[:4096]
     finally:
         pool.close()
+
+
+def test_verify_reads_dcp_metadata_as_a_load_does(tmp_path: Path) -> None:
+    """``aiopersist verify`` on a DCP directory whose ``.metadata`` was forged together with
+    its manifest (checksums recomputed, the manifest re-sealed): every checksum matches,
+    and the metadata is still reported, as a load would refuse it."""
+    import xxhash
+
+    ck = tmp_path / "ck"
+    dcp.save({"a": torch.arange(4000.0)}, checkpoint_id=str(ck), storage_writer=AiopersistWriter())
+    ok = subprocess.run(
+        [sys.executable, "-m", "aiopersist", "verify", str(ck)], capture_output=True, text=True, check=False
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    md = _metadata(ck)
+    md.storage_meta = "forged"  # type: ignore[assignment]
+    raw = pickle.dumps(md)
+    (ck / ".metadata").write_bytes(raw)
+
+    def reseal(doc: dict[str, Any]) -> None:
+        doc["files"][".metadata"].update(bytes=len(raw), checksum=xxhash.xxh3_64_hexdigest(raw))
+
+    _rewrite_manifest(ck, reseal)
+    bad = subprocess.run(
+        [sys.executable, "-m", "aiopersist", "verify", str(ck)], capture_output=True, text=True, check=False
+    )
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "corrupt:" in bad.stdout
+    assert "storage_meta is a str" in bad.stdout
