@@ -42,7 +42,7 @@ import os
 import random
 import re
 import threading
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import numpy as np
 import torch
@@ -191,6 +191,37 @@ class AioPersistCallback(TrainerCallback):
 
     # -- events ---------------------------------------------------------------------------
 
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        trainer = _running_trainer(self, required=False)
+        if trainer is not None:
+            self._guard(trainer)
+
+    def _guard(self, trainer: Trainer) -> None:
+        """Make ``trainer.train()`` finish this callback's save in flight before an error
+        leaves it, as the stock save is over by then: what the caller does next (a retry
+        with ``resume_from_checkpoint``, which loads older weights into the model before
+        any callback runs; its own clean-up) must neither change the tensors the save
+        still reads nor miss the checkpoint it makes. Installed when the Trainer is made
+        (a callback added later guards the ``train()`` calls after its first)."""
+        if getattr(vars(trainer).get("train"), "_aiopersist_guard", None) is self:
+            return
+        train = trainer.train
+
+        @functools.wraps(train)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return train(*args, **kwargs)
+            except BaseException:
+                if self._trainer is trainer:  # this run never reached on_train_end
+                    self._settle_previous_run()
+                    self._detach()
+                raise
+
+        guarded._aiopersist_guard = self  # type: ignore[attr-defined]
+        vars(trainer)["train"] = guarded
+
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -239,6 +270,7 @@ class AioPersistCallback(TrainerCallback):
         if args.should_save and args.output_dir:
             _remove_leftovers(str(args.output_dir))
         self._started = set()
+        self._guard(trainer)
         self._attach(trainer)
 
     def _settle_previous_run(self) -> None:
@@ -519,24 +551,41 @@ def _fsdp_plugin(trainer: Trainer) -> Any:
     return check_plugin(cast(Any, trainer).accelerator.state.fsdp_plugin, "AioPersistCallback")
 
 
-def _running_trainer(callback: AioPersistCallback) -> Trainer:
-    """The Trainer whose ``train()`` is calling ``callback`` now: a caller's ``self`` that is
-    a Trainer holding this callback."""
+@overload
+def _running_trainer(callback: AioPersistCallback) -> Trainer: ...
+
+
+@overload
+def _running_trainer(callback: AioPersistCallback, required: bool) -> Trainer | None: ...
+
+
+def _running_trainer(callback: AioPersistCallback, required: bool = True) -> Trainer | None:
+    """The Trainer whose ``train()`` (or ``__init__``) is calling ``callback`` now: a
+    caller's ``self`` that is a Trainer holding this callback."""
     frame = inspect.currentframe()
     try:
         while frame is not None:
             candidate = frame.f_locals.get("self")
             if isinstance(candidate, Trainer) and any(
-                cb is callback for cb in candidate.callback_handler.callbacks
+                cb is callback for cb in getattr(candidate, "callback_handler", _NO_HANDLER).callbacks
             ):
                 return candidate
             frame = frame.f_back
     finally:
         del frame
+    if not required:
+        return None
     raise ValueError(
         "AioPersistCallback must be passed to a transformers Trainer (callbacks=[...]) and run by its "
         "train(); no Trainer holding it is calling it"
     )
+
+
+class _NoHandler:
+    callbacks: tuple[()] = ()
+
+
+_NO_HANDLER = _NoHandler()
 
 
 def _export_callback_states(trainer: Trainer) -> None:

@@ -478,15 +478,63 @@ class _FailAt(transformers.TrainerCallback):  # type: ignore[misc]
             raise RuntimeError("training failed")
 
 
+class _FailBefore(transformers.TrainerCallback):  # type: ignore[misc]
+    """Raises as the step after ``step`` begins: before its optimizer step, so before the
+    fence of the save that ``step`` started."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == self.step:
+            raise RuntimeError("training failed")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_training_that_raises_finishes_its_save_before_the_error_leaves_train(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stock ``train()`` has written its last checkpoint before an error leaves it; so
+    does the callback's: what the caller does next cannot tear it. A retry with
+    ``resume_from_checkpoint`` loads older weights into the model before any callback
+    runs, which the save in flight would otherwise read, publishing a torn checkpoint
+    whose checksums pass; and the newest checkpoint is there for the retry to find. The
+    copies into staging are slowed so that the save is still in flight when the error
+    comes."""
+    from safetensors.torch import load_file
+
+    import aiopersist._stream as stream
+
+    real = stream._copy_all_jobs
+
+    def slow(jobs: Any) -> None:
+        time.sleep(0.05)
+        real(jobs)
+
+    monkeypatch.setattr(stream, "_copy_all_jobs", slow)
+    run = tmp_path / "run"
+    trainer = _trainer(run, [AioPersistCallback(backend=backend), _FailBefore(4)], max_steps=6)
+    with pytest.raises(RuntimeError, match="training failed"):
+        trainer.train()
+    assert sorted(os.listdir(run)) == ["checkpoint-2", "checkpoint-4"]  # published, nothing in flight
+    live = _weights(trainer)  # step 5's optimizer step never ran: still step 4's weights
+    saved = load_file(run / "checkpoint-4" / "model.safetensors")
+    _assert_same_weights(saved, {k: live[k] for k in saved})
+    trainer.remove_callback(_FailBefore)
+    trainer.add_callback(_StopAt(3))
+    trainer.train(resume_from_checkpoint=str(run / "checkpoint-2"))  # older weights, loaded in place
+    _assert_same_weights(load_file(run / "checkpoint-4" / "model.safetensors"), saved)
+
+
 def test_a_trainer_left_by_a_failed_run_saves_as_stock_without_the_callback(tmp_path: Path) -> None:
-    """A training that raises never reaches ``on_train_end``, so the Trainer keeps the
-    callback's save; once the callback is removed, that save is the stock one (nothing
-    would wait on the fence of an asynchronous one)."""
+    """A training that raises never reaches ``on_train_end``: its ``train()`` gives the
+    Trainer's save back as the error leaves, so a run without the callback saves as
+    stock (nothing would wait on the fence of an asynchronous one)."""
     callback = AioPersistCallback()
     trainer = _trainer(tmp_path / "run", [callback, _FailAt(1)])  # before any save
     with pytest.raises(RuntimeError, match="training failed"):
         trainer.train()
-    assert "_save_checkpoint" in vars(trainer)
+    assert "_save_checkpoint" not in vars(trainer)
     trainer.remove_callback(callback)
     trainer.remove_callback(_FailAt)
     trainer.train()
