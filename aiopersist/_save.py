@@ -471,20 +471,24 @@ async def save_state(
                 committed = True
             except Exception as exc:
                 commit_error = exc
+            if committed and old_parts:
+                # The replaced checkpoint's parts go after it (its primary went at the
+                # rename), before the ranks hear of the commit: a rank that fails to then
+                # must not leave them behind.
+                if discard is None:
+                    await asyncio.to_thread(_remove_all, old_parts)
+                else:
+                    for old in old_parts:
+                        discard(old)
         await exchange(None, commit_error)
-    except BaseException:
+    except BaseException as exc:
         # Once the primary is renamed into place the checkpoint is complete: its parts stay,
         # even if a rank then fails to hear about it.
         if rank == 0 and not committed:
             await to_thread_to_the_end(_abort, final, token, paths)
+        elif rank == 0:
+            exc.add_note(f"aiopersist: the checkpoint {final} was committed before this failure")
         raise
-    if old_parts:
-        # The replaced checkpoint's parts go after it (its primary went at the rename).
-        if discard is None:
-            await asyncio.to_thread(_remove_all, old_parts)
-        else:
-            for old in old_parts:
-                discard(old)
     records = [w.record for w in written[rank]] + extras
     return SaveInfo(
         final,

@@ -162,6 +162,35 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
             os._exit(3)
         await aiopersist.save({"w": torch.ones(10)}, paths, replicated=True, backend=backend)
         return {}
+    if name == "dies-after-commit":
+        # Rank 1 dies where rank 0 has published the overwrite and tells the ranks so.
+        # Four tensors: each rank writes some, rank 1 into a part on the second disk.
+        await aiopersist.save(
+            {f"t{i}": torch.ones(1000) for i in range(4)}, paths, replicated=True, backend=backend
+        )
+        if rank == 1:
+            from aiopersist._dist import Coordinator
+
+            real, calls = Coordinator.exchange, [0]
+
+            async def exchange(self: Any, *args: Any, **kwargs: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == 3:  # what each rank wrote, the write's outcome, the commit's
+                    os._exit(3)
+                return await real(self, *args, **kwargs)
+
+            Coordinator.exchange = exchange  # type: ignore[method-assign]
+        try:
+            await aiopersist.save(
+                {f"t{i}": torch.full((1000,), 2.0) for i in range(4)},
+                paths,
+                replicated=True,
+                backend=backend,
+                overwrite=True,
+            )
+        except aiopersist.RankFailedError as exc:
+            return {"error": type(exc).__name__, "notes": getattr(exc, "__notes__", [])}
+        return {}
     if name in ("teardown", "teardown-at-exit"):
         # What a job keeps across destroy_process_group(): a Checkpointer, and what the
         # Trainer callback keeps (the process-0 group, the FSDP saver). None of it may keep

@@ -7,6 +7,7 @@ is on disk, on both I/O backends.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -318,6 +319,25 @@ def test_a_rank_that_dies_does_not_hang_the_others(tmp_path: Path) -> None:
     assert outs[0].get("error") == "RankFailedError", outs
     assert not (tmp_path / "a" / "ck").exists()
     _no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_dies_after_the_commit_leaves_one_whole_checkpoint(tmp_path: Path, backend: str) -> None:
+    """Rank 0 publishes an overwrite, then hears that rank 1 died before learning of it:
+    the new checkpoint stands, whole, the replaced one's parts are gone, and rank 0's
+    error says the checkpoint was committed. (They were left on disk, with nothing to
+    remove them.)"""
+    outs = run_ranks("dies-after-commit", tmp_path, backend, AIOPERSIST_DIST_TIMEOUT="10")
+    assert outs[1]["rc"] == 3
+    assert outs[0]["ok"]["error"] == "RankFailedError", outs
+    assert any("was committed before this failure" in n for n in outs[0]["ok"]["notes"]), outs
+    back = aiopersist.load_sync(tmp_path / "a" / "ck")
+    assert all(torch.equal(back[f"t{i}"], torch.full((1000,), 2.0)) for i in range(4))
+    report = asyncio.run(aiopersist.verify(tmp_path / "a" / "ck", backend=backend))
+    parts = list((tmp_path / "b" / "ck").iterdir())
+    assert len(parts) == 1  # the new part alone
+    assert any(str(parts[0]) in f for f in report.files)
+    assert not [p for p in tmp_path.rglob("*") if ".aiopersist-tmp-" in p.name]
 
 
 @pytest.mark.asyncio
