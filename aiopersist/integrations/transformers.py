@@ -111,20 +111,47 @@ def _checkpoints(run_dir: str) -> list[StepInfo]:
 
 def to_rotate(checkpoints: list[StepInfo], limit: int, best: str | None = None) -> list[str]:
     """What ``save_total_limit=limit`` deletes, by the stock Trainer's rules counting only
-    complete checkpoints (`SaveTotalLimit`): the oldest complete ones go until ``limit``
-    remain, never the newest (resuming needs it) nor ``best``
+    complete checkpoints (`SaveTotalLimit`, in the stock order, see `_stock_order`): the
+    oldest complete ones go until ``limit`` remain, never the newest (resuming needs it) nor ``best``
     (``state.best_model_checkpoint``, known by its ``checkpoint-N`` name), so that
     ``limit=1`` with an older best keeps two. Incomplete ones older than the newest
     complete one go too (nothing can resume from them); newer ones are left alone, and
     so is ``best`` whatever its state."""
     best_step = TRAINER_STEPS.step_at(best) if best is not None else None
+    complete = _stock_order([c for c in checkpoints if c.complete])
+    # The policy runs over the complete ones' places in that order (oldest first).
+    place = {c.step: i for i, c in enumerate(complete)}
+    best_place = None if best_step is None else place.get(best_step, -1)  # -1: counted, absent
     doomed = to_delete(
-        [c.step for c in checkpoints if c.complete],
-        SaveTotalLimit(limit, best_step),
-        protected=() if best_step is None else (best_step,),
-        incomplete=[c.step for c in checkpoints if not c.complete],
+        list(range(len(complete))),
+        SaveTotalLimit(limit, best_place),
+        protected=() if best_place is None else (best_place,),
     )
-    return [c.path for c in checkpoints if c.step in doomed]
+    newest = max((c.step for c in complete), default=None)
+    gone = {complete[i].path for i in doomed} | {
+        c.path
+        for c in checkpoints
+        if not c.complete and newest is not None and c.step < newest and c.step != best_step
+    }
+    return [c.path for c in checkpoints if c.path in gone]
+
+
+def _stock_order(checkpoints: list[StepInfo]) -> list[StepInfo]:
+    """Oldest first, as the stock rotation orders them (``sort_checkpoints`` with
+    ``use_mtime=True``): by modification time, unless they all lie within a second of
+    each other (times it does not trust), then by step. So a rerun into an
+    ``output_dir`` that holds a longer, older run's checkpoints keeps its own newest ones
+    rather than the older run's higher steps."""
+    by_step = sorted(checkpoints, key=lambda c: c.step)
+    times: dict[str, float] = {}
+    for c in by_step:
+        try:
+            times[c.path] = os.stat(c.path).st_mtime
+        except OSError:
+            return by_step  # gone meanwhile: the step order, which needs no stat
+    if len(by_step) < 2 or max(times.values()) - min(times.values()) < 1.0:
+        return by_step
+    return sorted(by_step, key=lambda c: (times[c.path], c.path))
 
 
 class AioPersistCallback(TrainerCallback):

@@ -456,6 +456,26 @@ def test_rotation_counts_only_complete_checkpoints(tmp_path: Path, backend: str)
     ]  # fmt: skip
 
 
+def test_rotation_orders_by_modification_time_as_stock(tmp_path: Path) -> None:
+    """The stock rotation orders checkpoints by modification time (by step when they all
+    lie within a second): a rerun into an output_dir that holds an older, longer run's
+    checkpoints keeps its own newest ones, not the older run's higher steps."""
+    run = tmp_path / "run"
+    for step in (2, 4, 6, 8):
+        asyncio.run(aiopersist.save({"w": torch.full((10,), float(step))}, run / f"checkpoint-{step}"))
+    hour_ago = time.time() - 3600
+    for step in (6, 8):  # the older run's
+        os.utime(run / f"checkpoint-{step}", (hour_ago, hour_ago + step))
+    found = _checkpoints(str(run))
+    names = lambda paths: [os.path.basename(p) for p in paths]  # noqa: E731
+    assert names(to_rotate(found, 2)) == ["checkpoint-6", "checkpoint-8"]
+    assert names(to_rotate(found, 2, best=str(run / "checkpoint-8"))) == ["checkpoint-2", "checkpoint-6"]
+    now = time.time()
+    for step in (2, 4, 6, 8):  # within a second: times not trusted, steps decide
+        os.utime(run / f"checkpoint-{step}", (now, now + step / 10))
+    assert names(to_rotate(_checkpoints(str(run)), 2)) == ["checkpoint-2", "checkpoint-4"]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_save_total_limit_keeps_complete_checkpoints_past_a_broken_one(tmp_path: Path, backend: str) -> None:
     """A broken checkpoint-7 left by an earlier run: at step 8 the Trainer run still keeps
