@@ -702,14 +702,14 @@ def _pieces(item: WriteItem, planner: SavePlanner) -> list[Bytes | torch.Tensor]
     if t.is_conj() or t.is_neg():
         # A lazy conjugate or negative view: its values are not the bytes it points at.
         t = t.resolve_conj().resolve_neg()
-    plain = type(t) is torch.Tensor and not t.is_quantized
-    framing = _framing(t.dtype, tuple(t.shape)) if plain else None
+    plain = type(t) is torch.Tensor
+    framing = _framing(t.dtype, tuple(t.shape)) if plain and not t.is_quantized else None
     if framing is None:
         # A tensor whose archive holds more than its bytes (a quantized tensor's scales, a
         # tensor subclass and what it wraps): torch.save's own archive of it, as DCP's
         # FileSystemWriter writes.
         t = t.cpu()
-        if type(t) is torch.Tensor and t.untyped_storage().nbytes() > t.nbytes:
+        if plain and t.untyped_storage().nbytes() > t.nbytes:
             t = t.clone()  # only its own elements, not the whole storage it views
         buf = io.BytesIO()
         torch.save(t, buf)
@@ -848,9 +848,10 @@ def _check_pickle_shape(raw: bytes, where: str) -> None:
     `MAX_PICKLE_DEPTH`, and dict keys or set members heavier than `MAX_KEY_WEIGHT`
     (a tuple a million deep crashes the interpreter's hash; one built of itself twice,
     a hundred times over, never finishes hashing). Each stack item is tracked as its
-    depth and its weight (objects in it, shared ones counted each time)."""
-    mark = (-1, -1)  # told apart by identity: an item is never this object
+    depth and its weight (objects in it, shared ones counted each time); marks are kept
+    apart, as the unpickler keeps them, with what lies below the last one out of reach."""
     stack: list[tuple[int, int]] = []
+    marks: list[int] = []  # the stack's length at each mark
     memo: dict[int, tuple[int, int]] = {}
     table = _PICKLE_OPS
     leaf = (0, 1)
@@ -859,7 +860,10 @@ def _check_pickle_shape(raw: bytes, where: str) -> None:
     try:
         for op, arg, _ in pickletools.genops(raw):
             kind, pops, pushes, keys = table[op.code]
+            fence = marks[-1] if marks else 0
             if kind == 0:
+                if len(stack) - pops < fence:
+                    raise ValueError(f"{op.name} with too few items on the stack")
                 if pops == 0:
                     if pushes:
                         append(leaf)
@@ -879,54 +883,60 @@ def _check_pickle_shape(raw: bytes, where: str) -> None:
                 if keys == 1 and children[1][1] > MAX_KEY_WEIGHT:  # SETITEM: dict, key, value
                     raise ValueError("a dict key too large to hash")
             elif kind == 9:
-                at = len(stack) - 1
-                while stack[at] is not mark:
-                    at -= 1
-                marked = stack[at + 1 :]
-                children = stack[at - pops : at] + marked if pops else marked
+                at = marks.pop()
+                if at - pops < (marks[-1] if marks else 0):
+                    raise ValueError(f"{op.name} with too few items on the stack")
+                marked = stack[at:]
+                children = stack[at - pops :]
                 del stack[at - pops :]
                 if keys and any(w > MAX_KEY_WEIGHT for _, w in (marked[0::2] if keys == 2 else marked)):
                     raise ValueError("a dict key or set member too large to hash")
             elif kind == 1:
-                stack.append(mark)
+                marks.append(len(stack))
                 continue
-            elif kind == 2:
-                memo[cast(int, arg)] = stack[-1]
-                continue
-            elif kind == 3:
-                memo[len(memo)] = stack[-1]
+            elif kind in (2, 3):  # PUT, MEMOIZE: the top item, never one below the mark
+                if len(stack) <= fence:
+                    raise ValueError(f"{op.name} with nothing on the stack")
+                memo[cast(int, arg) if kind == 2 else len(memo)] = stack[-1]
                 continue
             elif kind == 4:
-                stack.append(memo[cast(int, arg)])
+                append(memo[cast(int, arg)])
                 continue
-            elif kind == 5:
-                stack.pop()
+            elif kind == 5:  # POP: the top item, or the mark itself when none is above it
+                if len(stack) > fence:
+                    stack.pop()
+                else:
+                    marks.pop()
                 continue
             elif kind == 6:
-                while stack.pop() is not mark:
-                    pass
+                del stack[marks.pop() :]
                 continue
             elif kind == 7:
-                stack.append(stack[-1])
+                if len(stack) <= fence:
+                    raise ValueError("DUP with nothing on the stack")
+                append(stack[-1])
                 continue
             else:  # STOP
                 break
             depth = 1 + max((d for d, _ in children), default=-1)
-            if depth > MAX_PICKLE_DEPTH:
-                raise ValueError(f"objects nested more than {MAX_PICKLE_DEPTH} deep")
+            if depth > deepest:
+                raise ValueError(f"objects nested more than {deepest} deep")
             item = (depth, 1 + sum(w for _, w in children))
             if pushes == 1:
-                stack.append(item)
+                append(item)
             elif pushes:
                 stack.extend([item] * pushes)
     except Exception as exc:  # also: truncated, a count past the end, a bad memo or stack
         raise CheckpointCorruptError(f"{where}: not DCP metadata ({type(exc).__name__}: {exc})") from exc
 
 
+def _is_count(value: object) -> bool:
+    """A non-negative int (not a bool): a size, an offset, a length."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _dims(value: object, what: str, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list | tuple) or not all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value
-    ):
+    if not isinstance(value, list | tuple) or not all(_is_count(n) for n in value):
         raise CheckpointCorruptError(f"{where}: {what} is not a list of sizes")
     return tuple(value)
 
@@ -1145,9 +1155,8 @@ class AiopersistReader(StorageReader):
                 f"{where}: stored with transforms {list(info.transform_descriptors)}, which AiopersistReader "
                 "does not apply (read it with DCP's FileSystemReader)"
             )
-        for value in (info.offset, info.length):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise CheckpointCorruptError(f"{where}: offset and length must be non-negative ints")
+        if not (_is_count(info.offset) and _is_count(info.length)):
+            raise CheckpointCorruptError(f"{where}: offset and length must be non-negative ints")
         if self._checked:  # aiopersist's manifest checksums every entry a record may point at
             if (name, info.offset, info.offset + info.length) not in self._entries:
                 raise CheckpointCorruptError(

@@ -42,7 +42,7 @@ import os
 import random
 import re
 import threading
-from typing import Any, cast, overload
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -221,7 +221,7 @@ class AioPersistCallback(TrainerCallback):
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        trainer = _running_trainer(self, required=False)
+        trainer = _calling_trainer(self)
         if trainer is not None:
             self._guard(trainer)
 
@@ -578,41 +578,32 @@ def _fsdp_plugin(trainer: Trainer) -> Any:
     return check_plugin(cast(Any, trainer).accelerator.state.fsdp_plugin, "AioPersistCallback")
 
 
-@overload
-def _running_trainer(callback: AioPersistCallback) -> Trainer: ...
+def _running_trainer(callback: AioPersistCallback) -> Trainer:
+    """The Trainer whose ``train()`` is calling ``callback`` now (see `_calling_trainer`)."""
+    trainer = _calling_trainer(callback)
+    if trainer is None:
+        raise ValueError(
+            "AioPersistCallback must be passed to a transformers Trainer (callbacks=[...]) and run by its "
+            "train(); no Trainer holding it is calling it"
+        )
+    return trainer
 
 
-@overload
-def _running_trainer(callback: AioPersistCallback, required: bool) -> Trainer | None: ...
-
-
-def _running_trainer(callback: AioPersistCallback, required: bool = True) -> Trainer | None:
+def _calling_trainer(callback: AioPersistCallback) -> Trainer | None:
     """The Trainer whose ``train()`` (or ``__init__``) is calling ``callback`` now: a
-    caller's ``self`` that is a Trainer holding this callback."""
+    caller's ``self`` that is a Trainer holding this callback; ``None`` if there is none."""
     frame = inspect.currentframe()
     try:
         while frame is not None:
             candidate = frame.f_locals.get("self")
-            if isinstance(candidate, Trainer) and any(
-                cb is callback for cb in getattr(candidate, "callback_handler", _NO_HANDLER).callbacks
-            ):
+            handler = getattr(candidate, "callback_handler", None)  # not yet made in __init__
+            callbacks = getattr(handler, "callbacks", ())
+            if isinstance(candidate, Trainer) and any(cb is callback for cb in callbacks):
                 return candidate
             frame = frame.f_back
     finally:
         del frame
-    if not required:
-        return None
-    raise ValueError(
-        "AioPersistCallback must be passed to a transformers Trainer (callbacks=[...]) and run by its "
-        "train(); no Trainer holding it is calling it"
-    )
-
-
-class _NoHandler:
-    callbacks: tuple[()] = ()
-
-
-_NO_HANDLER = _NoHandler()
+    return None
 
 
 def _export_callback_states(trainer: Trainer) -> None:
