@@ -29,7 +29,14 @@ from dataclasses import dataclass
 
 from ._direct import DirectIOInfo, probe_file_for_read
 from ._exceptions import AiopersistError, CheckpointCorruptError, CheckpointNotFoundError, from_os_error
-from ._manifest import MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_index, parse_manifest
+from ._manifest import (
+    MAX_MANIFEST_BYTES,
+    FileRecord,
+    Manifest,
+    member_directories,
+    parse_index,
+    parse_manifest,
+)
 from ._names import MANIFEST_NAME, MODEL_FILE, MODEL_INDEX, part_dir
 
 READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -213,13 +220,10 @@ def locate(path: PathArg) -> Located:
             places = part_places(target, manifest, paths)
             for i in sorted({rec.directory for rec in manifest.files.values()} - {0}):
                 _check_part(places[i], mpath)  # a directory the save wrote nothing to was not made
-            subdirectories = {
-                os.path.join(places[rec.directory], name.split("/")[0])
-                for name, rec in manifest.files.items()
-                if "/" in name
-            }
-            for sub in sorted(subdirectories):
-                _check_part(sub, mpath, "subdirectory")
+            for i in sorted({rec.directory for rec in manifest.files.values()}):
+                names = [n for n, rec in manifest.files.items() if rec.directory == i]
+                for sub in member_directories(names):  # parents first: no link on the way
+                    _check_part(os.path.join(places[i], sub), mpath, "subdirectory")
             sizes = {
                 name: regular_size(os.path.join(places[rec.directory], name), mpath, rec.nbytes)
                 for name, rec in manifest.files.items()

@@ -70,7 +70,7 @@ from ._exceptions import (
 )
 from ._load import load
 from ._locate import READ_FLAGS, PathArg, checkpoint_paths, file_problem, locate, own_parts, token_at
-from ._manifest import dump_manifest
+from ._manifest import dump_manifest, member_directories
 from ._names import (
     LEFTOVER_MARKERS,
     LOCK_NAME,
@@ -360,8 +360,13 @@ def copy_step(src: PathArg, mirror: str, step: int) -> str:
     pending = make_temp(os.path.join(mirror, step_name(step)), overwrite=True)
     tmp, final = pending.tmp, pending.final
     try:
+        subdirectories = [os.path.join(tmp, d) for d in member_directories(manifest.files)]
+        for sub in subdirectories:
+            make_directories(sub)
         for rec in manifest.files.values():
             _copy_file(loc.path_of(rec), os.path.join(tmp, rec.name), rec.nbytes)
+        for sub in reversed(subdirectories):
+            fsync_directory(sub)
         gathered = dataclasses.replace(
             manifest,
             files={n: dataclasses.replace(r, directory=0) for n, r in manifest.files.items()},

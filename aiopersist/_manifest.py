@@ -326,7 +326,7 @@ LAYOUTS = ("state", "hf-model", "dcp", "fsdp")
 """``fsdp``: an FSDP checkpoint of the Hugging Face Trainer or Accelerate, in their own
 layout: ``torch.distributed.checkpoint`` directories (``pytorch_model_fsdp_0/``,
 ``optimizer_0/``) and the framework's files, every one listed by this manifest (files in
-a subdirectory by ``<subdirectory>/<name>``)."""
+subdirectories by ``<subdirectory>/<name>``)."""
 """``dcp``: a ``torch.distributed.checkpoint`` directory written through aiopersist
 (its files listed with checksums, no tensors of aiopersist's own)."""
 """The last component of a part directory: ``part-<token>``, the token of the save."""
@@ -349,14 +349,28 @@ def safe_file_name(name: object, where: str) -> str:
 
 def safe_member_name(name: object, where: str) -> str:
     """A file name from a version 2 manifest: a plain file in the checkpoint
-    (`safe_file_name`) or in a subdirectory of it, ``<subdirectory>/<name>`` (one level,
-    each part a plain name)."""
-    if isinstance(name, str) and name.count("/") == 1:
-        sub, base = name.split("/")
-        safe_file_name(sub, where)
-        safe_file_name(base, where)
+    (`safe_file_name`) or in subdirectories of it, ``<subdirectory>/.../<name>`` (each
+    component a plain name: nothing absolute, empty, ``.`` or ``..``)."""
+    if isinstance(name, str) and "/" in name:
+        for component in name.split("/"):
+            try:
+                safe_file_name(component, where)
+            except CheckpointCorruptError:
+                raise CheckpointCorruptError(
+                    f"{where}: file name {name!r} would escape the checkpoint directory"
+                ) from None
         return name
     return safe_file_name(name, where)
+
+
+def member_directories(names: Iterable[str]) -> list[str]:
+    """Every subdirectory that the member names (``a/b/c.json``: ``a`` and ``a/b``) need,
+    parents before their children."""
+    found: set[str] = set()
+    for name in names:
+        parts = name.split("/")[:-1]
+        found.update("/".join(parts[: i + 1]) for i in range(len(parts)))
+    return sorted(found, key=lambda d: (d.count("/"), d))
 
 
 def part_token(directory: object, where: str) -> str:

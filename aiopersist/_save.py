@@ -33,7 +33,7 @@ import os
 import pickle
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ import torch
 from . import _knobs
 from ._backends import IOBackend, open_backend, to_thread_to_the_end
 from ._commit import (
+    fsync_directory,
     make_directories,
     make_temp,
     publish_with_parts,
@@ -50,7 +51,7 @@ from ._commit import (
 )
 from ._direct import DirectIOInfo, probe_directory
 from ._dist import Coordinator, coordinator
-from ._exceptions import UnsupportedStateError, maps_os_errors
+from ._exceptions import CheckpointCorruptError, UnsupportedStateError, maps_os_errors
 from ._flatten import Flattened, flatten
 from ._format import dtype_from_name
 from ._locate import PathArg, checkpoint_paths, own_parts, token_at
@@ -61,8 +62,9 @@ from ._manifest import (
     SliceRecord,
     TensorRecord,
     dump_manifest,
+    member_directories,
     new_hasher,
-    safe_file_name,
+    safe_member_name,
 )
 from ._names import MANIFEST_NAME, MODEL_INDEX, PART_PREFIX, PICKLE_FILE, part_dir, temp_path
 from ._plan import FilePlan, PartPlan, RankDesc, Replicated, WritePlan, describe, plan_write, rank_state
@@ -185,13 +187,15 @@ async def write_torch_save(
     pool: StagingPool,
     obj: object,
     written: Callable[[], None] | None = None,
+    name: str | None = None,
 ) -> FileRecord:
-    """Write ``torch.save(obj)``'s bytes as a new file through the engine, checksummed."""
+    """Write ``torch.save(obj)``'s bytes as a new file through the engine, checksummed;
+    its record is named ``name`` (by default the file's own name)."""
     hasher = new_hasher()
     loop = asyncio.get_running_loop()
+    name = os.path.basename(path) if name is None else name
     async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
         sink = _TorchSaveSink(writer, loop)
-        name = os.path.basename(path)
         thread = asyncio.ensure_future(asyncio.to_thread(_torch_save_when_ready, obj, sink, name))
         try:
             await asyncio.shield(thread)
@@ -203,7 +207,7 @@ async def write_torch_save(
             raise
         if written is not None:
             written()
-    return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())
+    return FileRecord(name, writer.bytes_written, hasher.hexdigest())
 
 
 async def write_file(
@@ -214,8 +218,10 @@ async def write_file(
     parts: Sequence[Bytes | torch.Tensor],
     written: Callable[[], None] | None = None,
     hasher: Any = None,
+    name: str | None = None,
 ) -> FileRecord:
-    """Write ``parts`` as a new file, checksummed (by ``hasher`` when given), fsynced.
+    """Write ``parts`` as a new file, checksummed (by ``hasher`` when given), fsynced; its
+    record is named ``name`` (by default the file's own name).
 
     The parts must stay unchanged until ``written`` is called (the tensors of a save until
     it is staged): their bytes are copied into staging in worker threads, batched per
@@ -226,7 +232,34 @@ async def write_file(
         await writer.copied()
         if written is not None:
             written()  # every byte is in staging or on its way to the disk
-    return FileRecord(os.path.basename(path), writer.bytes_written, hasher.hexdigest())
+    name = os.path.basename(path) if name is None else name
+    return FileRecord(name, writer.bytes_written, hasher.hexdigest())
+
+
+async def write_extra_files(
+    be: IOBackend,
+    directory: str,
+    dio: DirectIOInfo,
+    pool: StagingPool,
+    files: ExtraFiles,
+    written: Callable[[], None] | None = None,
+) -> list[FileRecord]:
+    """Write ``files`` (name → ``bytes`` or `TorchSave`) into ``directory``, making the
+    subdirectories their names hold (durably: their entries are fsynced once written, the
+    directory's own are the caller's); their records, named by their paths. ``written``
+    is called once per file, as by `write_file`."""
+    subdirectories = [os.path.join(directory, d) for d in member_directories(files)]
+    for sub in subdirectories:
+        await to_thread_to_the_end(make_directories, sub)
+    done = await run_all(
+        write_torch_save(be, os.path.join(directory, n), dio, pool, c.obj, written, name=n)
+        if isinstance(c, TorchSave)
+        else write_file(be, os.path.join(directory, n), dio, pool, [c], written, name=n)
+        for n, c in files.items()
+    )
+    for sub in reversed(subdirectories):
+        await to_thread_to_the_end(fsync_directory, sub)
+    return done
 
 
 def pickle_objects(flat: Flattened) -> bytes:
@@ -264,9 +297,24 @@ def check_save_arguments(
         if ranks > 1 or len(paths) > 1:
             raise ValueError("extra_files: only for a save by one process into one directory")
         for name in extra_files:
-            safe_file_name(name, "extra_files")
+            try:
+                safe_member_name(name, "extra_files")
+            except CheckpointCorruptError as exc:
+                raise ValueError(str(exc)) from None
             if name in (PICKLE_FILE, MANIFEST_NAME, MODEL_INDEX):
                 raise _reserved(name)
+        check_file_tree(extra_files, "extra_files")
+
+
+def check_file_tree(names: Iterable[str], what: str) -> None:
+    """``ValueError`` when a name among ``names`` (files, ``<subdirectory>/.../<name>``)
+    is also a directory another one needs: ``a`` and ``a/b`` cannot both be files."""
+    files = set(names)
+    clash = files.intersection(member_directories(files))
+    if clash:
+        name = min(clash)
+        inside = min(f for f in files if f.startswith(name + "/"))
+        raise ValueError(f"{what}: {name!r} is a file and also the directory that holds {inside!r}")
 
 
 def _reserved(name: str) -> ValueError:
@@ -328,7 +376,8 @@ async def save(
 
     ``extra_files`` maps file names to ``bytes`` or a [`TorchSave`][aiopersist.TorchSave]
     to write beside the data (a ``config.json``, an ``optimizer.pt``): published with the
-    checkpoint, checksummed, listed in its manifest. One process and one directory only.
+    checkpoint, checksummed, listed in its manifest. A name may put its file in
+    subdirectories (``templates/chat.jinja``). One process and one directory only.
     """
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -520,6 +569,7 @@ async def _write_mine(
     for name in additions:
         if any(f.name == name for f in plan.files):
             raise _reserved(name)
+    check_file_tree([*additions, *(f.name for f in plan.files)], "extra_files")
     one_written = countdown(len(mine) + (pickled is not None) + len(additions), staged)
     dirs: dict[int, str] = {}
     for d in sorted({f.directory for f in mine} | ({0} if pickled is not None or additions else set())):
@@ -559,14 +609,12 @@ async def _write_mine(
         jobs.append(
             write_file(be, os.path.join(dirs[0], PICKLE_FILE), probes[0], pool, [pickled], one_written)
         )
-    for name, content in additions.items():
-        target = os.path.join(dirs[0], name)
-        if isinstance(content, TorchSave):
-            jobs.append(write_torch_save(be, target, probes[0], pool, content.obj, one_written))
-        else:
-            jobs.append(write_file(be, target, probes[0], pool, [content], one_written))
+    if additions:
+        jobs.append(write_extra_files(be, dirs[0], probes[0], pool, additions, one_written))
     done = await run_all(jobs)
-    return done[: len(mine)], done[len(mine) :]
+    rest = done[len(mine) :]  # the pickle file's record, then the extra files' (a list)
+    extras: list[FileRecord] = [*rest[:-1], *rest[-1]] if additions else rest
+    return done[: len(mine)], extras
 
 
 async def _commit(
@@ -642,7 +690,7 @@ def _manifest_files(
         metadata=dict(metadata or {}),
         layout=plan.layout,
         world_size=len(descs),
-        version=2 if plan.spread else 1,
+        version=2 if plan.spread or any("/" in rec.name for rec in extras) else 1,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         sliced=sliced,
         directories=_directories(paths, token),

@@ -1,9 +1,10 @@
 """A script for ``torchrun --nproc_per_node 2``: an ``Accelerator`` with an FSDP2 plugin
 (``SHARDED_STATE_DICT``) on CPU over gloo (made to take the plugin: `_cpu_fsdp`) prepares
 two models, each with its optimizer (``pytorch_model_fsdp_0/``, ``_1/``, ``optimizer_0/``,
-``_1/``), and a scheduler, and saves the same state twice: with the stock
-``accelerator.save_state`` and with aiopersist's ``save_state_blocking`` (or, with
-``async``, ``save_state``), training one step while ours is in flight. Then each is loaded
+``_1/``), a scheduler and a save hook that writes into a subdirectory, and saves the
+same state twice: with the stock ``accelerator.save_state`` and with aiopersist's
+``save_state_blocking`` (or, with ``async``, ``save_state``), training one step while
+ours is in flight. Then each is loaded
 back with the stock ``accelerator.load_state`` and one more step taken: both must end
 with the same weights, bit for bit, and restore the saved ones and the RNG state.
 
@@ -42,6 +43,20 @@ def main(out: str, backend: str, api: str) -> None:
     model, opt, sched = accelerator.prepare(model, opt, sched)
     head, head_opt = accelerator.prepare(head, head_opt)  # FSDP2: one model per prepare()
     torch.manual_seed(100 + accelerator.process_index)  # a different RNG state per rank
+    hook_loads: list[str] = []
+
+    def save_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        # A hook that writes into a subdirectory, as a diffusers-style hook does.
+        os.makedirs(os.path.join(output_dir, "hooked", "nested"), exist_ok=True)  # every rank
+        with open(os.path.join(output_dir, "hooked", "nested", "note.json"), "w") as f:
+            json.dump({"models": len(models)}, f)
+
+    def load_hook(models: list[Any], input_dir: str) -> None:
+        with open(os.path.join(input_dir, "hooked", "nested", "note.json")) as f:
+            hook_loads.append(json.dumps(json.load(f)))
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
 
     def step() -> None:
         accelerator.backward(head(model(torch.randn(4, 32))).pow(2).mean())
@@ -95,6 +110,7 @@ def main(out: str, backend: str, api: str) -> None:
         step()
         ends[name] = weights()
     report["same_end"] = all(torch.equal(ends["stock"][k], ends["ours"][k]) for k in saved)
+    report["hook_loads"] = hook_loads
     report["lr"] = sched.get_last_lr()
     if accelerator.process_index == 0:
         report["verify"] = len(asyncio.run(aiopersist.verify(ours)).files)

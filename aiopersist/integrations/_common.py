@@ -47,12 +47,14 @@ def files_written_by(write: Callable[[str], None], beside: str, *, keep: bool = 
     """Run ``write(directory)`` (a ``save_pretrained``, a save hook) on a fresh staging
     directory beside the checkpoint ``beside`` (hidden and marked temporary, so that an
     interrupted run's is cleaned up like any other leftover), and return the files it
-    wrote there, by name, to be written into the checkpoint itself; the staging directory
-    is removed. With ``keep=False`` the writer runs (it may have effects the framework
-    relies on) and nothing is read.
+    wrote there, by their paths in it (``additional_chat_templates/tool_use.jinja``), to
+    be written into the checkpoint itself; the staging directory is removed. With
+    ``keep=False`` the writer runs (it may have effects the framework relies on) and
+    nothing is read.
 
-    The checkpoint takes plain files only: anything else the writer leaves there (a
-    subdirectory, a link) raises `ValueError` naming it, rather than being dropped."""
+    The checkpoint takes files, in subdirectories at any depth: anything it cannot hold
+    (a link, a FIFO, an empty directory) raises `ValueError` naming it, rather than being
+    dropped."""
     parent, name = os.path.split(os.path.abspath(beside))
     os.makedirs(parent, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".{name}{TMP_MARKER}files-", dir=parent)
@@ -61,17 +63,32 @@ def files_written_by(write: Callable[[str], None], beside: str, *, keep: bool = 
         if not keep:
             return {}
         files: dict[str, bytes] = {}
-        for entry in sorted(os.scandir(staging), key=lambda e: e.name):
-            if not entry.is_file(follow_symlinks=False):
-                raise ValueError(
-                    f"{entry.name!r} was written for the checkpoint {beside} but is not a plain file: "
-                    "aiopersist checkpoints take plain files at their top level only"
-                )
-            with open(entry.path, "rb") as f:
-                files[entry.name] = f.read()
+        _read_tree(staging, "", files, beside)
         return files
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _read_tree(root: str, prefix: str, files: dict[str, bytes], beside: str) -> None:
+    """Every file under ``root/prefix`` into ``files``, by its path under ``root``."""
+    entries = sorted(os.scandir(os.path.join(root, prefix)), key=lambda e: e.name)
+    if prefix and not entries:
+        raise ValueError(
+            f"{prefix!r} was written for the checkpoint {beside} as an empty directory: "
+            "aiopersist checkpoints list files, and would lose it"
+        )
+    for entry in entries:
+        name = prefix + entry.name
+        if entry.is_dir(follow_symlinks=False):
+            _read_tree(root, name + "/", files, beside)
+        elif entry.is_file(follow_symlinks=False):
+            with open(entry.path, "rb") as f:
+                files[name] = f.read()
+        else:
+            raise ValueError(
+                f"{name!r} was written for the checkpoint {beside} but is not a plain file or a "
+                "directory: aiopersist checkpoints take files and the directories that hold them"
+            )
 
 
 def delete_checkpoints(paths: Sequence[str], done: Callable[[str], None] | None = None) -> list[str]:

@@ -60,9 +60,8 @@ from .._manifest import (
     safe_file_name,
 )
 from .._names import MANIFEST_NAME
-from .._save import SaveInfo, TorchSave, write_file, write_torch_save
+from .._save import SaveInfo, TorchSave, check_save_arguments, write_extra_files, write_file
 from .._staging import StagingPool
-from .._stream import run_all
 from .._workers import DaemonThreadPool
 from .dcp import AiopersistWriter, _dcp_manifest, _Fence, _new_fence, _on_engine
 
@@ -132,10 +131,14 @@ class ShardedSaver:
         which replaces it atomically once the new one is durable."""
         final = os.path.abspath(os.fspath(path))
         names = list(states)
-        for name in [*names, *(files or {})]:
+        for name in names:
             safe_file_name(name, "the checkpoint")
         if files and self.rank != 0:
             raise ValueError("ShardedSaver.save: only process 0 writes the checkpoint's files")
+        check_save_arguments(None, files, [final], 1)  # the names of the files
+        for name in files or {}:
+            if name.split("/")[0] in states:
+                raise ValueError(f"ShardedSaver.save: the file {name!r} would be in a DCP directory's place")
         fences = [_new_fence() for _ in names]
         future = self._thread.submit(self._run, final, dict(states), dict(files or {}), fences, overwrite)
         self._last = future
@@ -257,13 +260,7 @@ class ShardedSaver:
             pool = StagingPool()
             try:
                 async with open_backend(backend) as be:
-                    jobs = [
-                        write_torch_save(be, os.path.join(tmp, n), dio, pool, c.obj)
-                        if isinstance(c, TorchSave)
-                        else write_file(be, os.path.join(tmp, n), dio, pool, [c])
-                        for n, c in files.items()
-                    ]
-                    own = await run_all(jobs)
+                    own = await write_extra_files(be, tmp, dio, pool, files)
                     manifest = await asyncio.to_thread(_manifest, tmp, subdirectories, own, world_size)
                     data = await asyncio.to_thread(dump_manifest, manifest)
                     own.append(await write_file(be, os.path.join(tmp, MANIFEST_NAME), dio, pool, [data]))

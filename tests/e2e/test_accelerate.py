@@ -110,10 +110,17 @@ def _assert_restored(
         assert torch.equal(got[k], v), k
 
 
+def _tree(root: Path) -> set[str]:
+    """Every file under ``root``, by its path in it."""
+    return {str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir()}
+
+
 class _Hooks:
-    """A save pre-hook that writes a file of its own, and with ``takes_weights`` saves
-    the model's weights itself (taking them out of the list) for its load pre-hook to
-    restore: ``load_state`` fails unless the checkpoint holds what the hooks wrote."""
+    """A save pre-hook that writes files of its own, one in nested subdirectories, and
+    with ``takes_weights`` saves the model's weights itself into a subdirectory (as a
+    diffusers hook calls ``save_pretrained``), taking them out of the list, for its load
+    pre-hook to restore: ``load_state`` fails unless the checkpoint holds what the hooks
+    wrote."""
 
     def __init__(self, accelerator: Accelerator, takes_weights: bool) -> None:
         self.takes_weights = takes_weights
@@ -126,14 +133,18 @@ class _Hooks:
     ) -> None:
         self.calls.append((models, len(weights), output_dir))
         Path(output_dir, "hook.json").write_text(json.dumps({"models": len(models)}))
+        Path(output_dir, "extra", "deeper").mkdir(parents=True)
+        Path(output_dir, "extra", "deeper", "note.txt").write_text("nested")
         if self.takes_weights:
-            torch.save(weights.pop(), os.path.join(output_dir, "hooked_model.pt"))
+            os.mkdir(os.path.join(output_dir, "hooked_model"))
+            torch.save(weights.pop(), os.path.join(output_dir, "hooked_model", "weights.pt"))
 
     def load(self, models: list[torch.nn.Module], input_dir: str) -> None:
         assert json.loads(Path(input_dir, "hook.json").read_text()) == {"models": 1}
+        assert Path(input_dir, "extra", "deeper", "note.txt").read_text() == "nested"
         if self.takes_weights:
             models.pop().load_state_dict(
-                torch.load(os.path.join(input_dir, "hooked_model.pt"), weights_only=True)
+                torch.load(os.path.join(input_dir, "hooked_model", "weights.pt"), weights_only=True)
             )
 
 
@@ -156,11 +167,15 @@ def test_save_state_pre_hooks_are_called_and_what_they_write_is_saved(
         handle = save_state_blocking(accelerator, tmp_path / "ours", checkpointer=ck)
         handle.wait_staged()
         assert handle.wait() is not None
-    ours = set(os.listdir(tmp_path / "ours")) - {"aiopersist.json"}
+    ours = _tree(tmp_path / "ours") - {"aiopersist.json"}
     if takes_weights:
         ours -= {"state.safetensors"}
-    assert ours == set(os.listdir(tmp_path / "stock"))
-    assert ("hooked_model.pt" in ours, "model.safetensors" in ours) == (takes_weights, not takes_weights)
+    assert ours == _tree(tmp_path / "stock")
+    assert "extra/deeper/note.txt" in ours
+    assert ("hooked_model/weights.pt" in ours, "model.safetensors" in ours) == (
+        takes_weights,
+        not takes_weights,
+    )
     (stock_call, our_call) = hooks.calls
     assert our_call[0] is accelerator._models
     assert our_call[1] == stock_call[1] == 1
@@ -292,6 +307,7 @@ def test_save_state_under_fsdp2_is_the_stock_layout_and_load_state_restores_it(
         assert r["ours_restored"]
         assert r["ours_rng"]
         assert r["same_end"]
+        assert r["hook_loads"] == ['{"models": 2}'] * 2  # what the save hook wrote, both times
 
     def files(d: Path) -> set[str]:
         return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}

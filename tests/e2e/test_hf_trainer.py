@@ -564,6 +564,48 @@ def test_a_trainer_left_by_a_failed_run_saves_as_stock_without_the_callback(tmp_
     assert "_save_checkpoint" not in vars(trainer)
 
 
+def _tokenizer() -> Any:
+    """A fast tokenizer built offline, with a default chat template and a named one: its
+    ``save_pretrained`` writes ``additional_chat_templates/tool_use.jinja``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "[PAD]": 1, "a": 2, "b": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+    fast.chat_template = {"default": "{{ messages }}", "tool_use": "{{ tools }} {{ messages }}"}
+    return fast
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_processing_class_files_are_saved_as_stock_subdirectories_included(
+    tmp_path: Path, backend: str
+) -> None:
+    """The processing class's ``save_pretrained`` files go into every checkpoint as the
+    stock save writes them, byte for byte, those in its subdirectories too, and the
+    tokenizer loads from the checkpoint with its named chat templates."""
+    runs = {}
+    for name, callbacks in (("stock", []), ("ours", [AioPersistCallback(backend=backend)])):
+        trainer = _trainer(tmp_path / name, callbacks, max_steps=2)
+        trainer.processing_class = _tokenizer()
+        trainer.train()
+        runs[name] = tmp_path / name / "checkpoint-2"
+    stock, ours = _tree(runs["stock"]), _tree(runs["ours"])
+    assert "additional_chat_templates/tool_use.jinja" in stock
+    assert set(ours) - {"aiopersist.json"} == set(stock)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert ours[name] == stock[name], name
+    assert (
+        ours["additional_chat_templates/tool_use.jinja"] == stock["additional_chat_templates/tool_use.jinja"]
+    )
+    asyncio.run(aiopersist.verify(runs["ours"]))
+    loaded = transformers.AutoTokenizer.from_pretrained(runs["ours"])
+    assert loaded.chat_template == _tokenizer().chat_template
+
+
 class _OwnSaveTrainer(transformers.Trainer):  # type: ignore[misc]
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)

@@ -21,6 +21,7 @@ from aiopersist._manifest import (
     TensorRecord,
     TensorTable,
     dump_manifest,
+    member_directories,
     parse_manifest,
     safe_member_name,
 )
@@ -113,15 +114,28 @@ def test_a_plans_records_are_its_layout_and_make_a_manifest_that_parses() -> Non
 
 
 @pytest.mark.parametrize(
-    "name", ["optimizer_0/__0_0.distcp", "pytorch_model_fsdp_0/.metadata", "scheduler.pt"]
+    "name",
+    [
+        "optimizer_0/__0_0.distcp",
+        "pytorch_model_fsdp_0/.metadata",
+        "scheduler.pt",
+        "additional_chat_templates/tool_use.jinja",
+        "a/b/c/d.json",
+    ],
 )
-def test_a_version_2_file_may_be_in_one_subdirectory(name: str) -> None:
+def test_a_version_2_file_may_be_in_subdirectories(name: str) -> None:
     assert safe_member_name(name, "m") == name
 
 
 @pytest.mark.parametrize(
-    "name", ["../x", "a/../x", "a/..", "./x", "a/b/c", "/a/b", "a//b", "a/", "/x", "a\\b/c", "", "a/b\0"]
+    "name", ["../x", "a/../x", "a/..", "./x", "a/./b", "/a/b", "a//b", "a/", "/x", "a\\b/c", "", "a/b\0"]
 )
-def test_a_subdirectory_name_cannot_lead_out_or_deeper(name: str) -> None:
+def test_a_subdirectory_name_cannot_lead_out(name: str) -> None:
     with pytest.raises(CheckpointCorruptError, match="would escape the checkpoint directory"):
         safe_member_name(name, "m")
+
+
+def test_member_directories_lists_every_directory_parents_first() -> None:
+    names = ["z/y/x.bin", "a.json", "b/c.txt", "z/w.txt", "b/d/e/f"]
+    assert member_directories(names) == ["b", "z", "b/d", "z/y", "b/d/e"]
+    assert member_directories(["a", "b"]) == []
