@@ -206,6 +206,7 @@ def make_temp(final: str | os.PathLike[str], overwrite: bool, token: str | None 
         raise CheckpointExistsError(f"{target} already exists (pass overwrite=True to replace it)")
     make_directories(parent)
     tmp = temp_path(target, token or uuid.uuid4().hex[:12])
+    make_directories(os.path.dirname(tmp))  # made already, unless work goes elsewhere
     try:
         os.mkdir(tmp)
     except OSError as exc:

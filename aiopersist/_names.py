@@ -8,6 +8,8 @@ a crash are recognised (and only they are ever removed by aiopersist):
 - ``.NAME.aiopersist-tmp-TOKEN``: a checkpoint being written (`temp_path`);
 - ``.NAME.aiopersist-old-TOKEN``: a replaced checkpoint moved aside, without renameat2;
 - ``.NAME.aiopersist-trash-TOKEN``: a checkpoint being deleted by a manager;
+
+(these three beside it, or in the place `work_elsewhere` gives its directory);
 - ``part-TOKEN``: the share of a checkpoint on another disk (`part_dir`), named by its
   save's token so that no two saves ever share one;
 - ``.aiopersist-probe-TOKEN``: the scratch file of a direct-I/O probe;
@@ -86,9 +88,29 @@ TRAINER_STEPS = StepLayout("checkpoint-", CHECKPOINT_RE, TRAINER_STATE)
 STEP_LAYOUTS = (MANAGER_STEPS, TRAINER_STEPS)
 
 
+_WORK_PLACES: dict[str, str] = {}
+"""Directories whose checkpoints' work in progress goes elsewhere (`work_elsewhere`)."""
+
+
+def work_elsewhere(directory: str, place: str) -> None:
+    """From now on, in this process, put the work in progress of the checkpoints in
+    ``directory`` (their temporary, replaced and trash directories, and the staging of
+    their files) into ``place`` instead of beside them: for a directory where another
+    program takes every entry for a checkpoint (Accelerate's ``checkpoints/``). ``place``
+    must be on the same file system, as checkpoints are renamed out of it and into it."""
+    _WORK_PLACES[os.path.abspath(directory)] = os.path.abspath(place)
+
+
+def work_place(directory: str) -> str:
+    """Where the work in progress of the checkpoints in ``directory`` goes: ``directory``
+    itself, unless `work_elsewhere` said otherwise."""
+    return _WORK_PLACES.get(os.path.abspath(directory), directory)
+
+
 def beside(final: str, marker: str, token: str) -> str:
-    """The hidden sibling of ``final`` with ``marker`` and ``token`` (work in progress)."""
-    return os.path.join(os.path.dirname(final), f".{os.path.basename(final)}{marker}{token}")
+    """The hidden name of work in progress on ``final``, with ``marker`` and ``token``:
+    its sibling, or in the place `work_elsewhere` gave its directory."""
+    return os.path.join(work_place(os.path.dirname(final)), f".{os.path.basename(final)}{marker}{token}")
 
 
 def temp_path(final: str, token: str) -> str:

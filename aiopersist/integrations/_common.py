@@ -19,7 +19,7 @@ import torch
 
 from .._dist import coordinator
 from .._manager import delete_step
-from .._names import TMP_MARKER
+from .._names import TMP_MARKER, work_place
 
 log = logging.getLogger("aiopersist")
 
@@ -45,19 +45,20 @@ def gather_objects(obj: object) -> list[Any]:
 
 def files_written_by(write: Callable[[str], None], beside: str, *, keep: bool = True) -> dict[str, bytes]:
     """Run ``write(directory)`` (a ``save_pretrained``, a save hook) on a fresh staging
-    directory beside the checkpoint ``beside`` (hidden and marked temporary, so that an
-    interrupted run's is cleaned up like any other leftover), and return the files it
-    wrote there, by their paths in it (``additional_chat_templates/tool_use.jinja``), to
-    be written into the checkpoint itself; the staging directory is removed. With
-    ``keep=False`` the writer runs (it may have effects the framework relies on) and
-    nothing is read.
+    directory beside the checkpoint ``beside`` (or where its work in progress goes,
+    `work_elsewhere`), hidden and marked temporary so that an interrupted run's is
+    cleaned up like any other leftover. Returns the files it wrote there, by their paths
+    in it (``additional_chat_templates/tool_use.jinja``), to be written into the
+    checkpoint itself; the staging directory is removed. With ``keep=False`` the writer
+    runs (it may have effects the framework relies on) and nothing is read.
 
     The checkpoint takes files, in subdirectories at any depth: anything it cannot hold
     (a link, a FIFO, an empty directory) raises `ValueError` naming it, rather than being
     dropped."""
     parent, name = os.path.split(os.path.abspath(beside))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{name}{TMP_MARKER}files-", dir=parent)
+    place = work_place(parent)
+    os.makedirs(place, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{name}{TMP_MARKER}files-", dir=place)
     try:
         write(staging)
         if not keep:

@@ -17,14 +17,17 @@ what ``accelerator.save_state`` writes, in Accelerate's own layout, so that
   as ``save_state`` calls them, ``hook(accelerator._models, weights, output_dir)``, and
   may take weights out of the list (saving them themselves); the weights left are the
   ones written. Their ``output_dir`` is a staging directory beside the checkpoint, whose
-  files go into the checkpoint.
+  files (in subdirectories too) go into the checkpoint.
 
 Where it goes is decided as ``save_state`` decides: an existing empty directory is
 taken; with ``automatic_checkpoint_naming`` the checkpoint is
 ``<project_dir>/checkpoints/checkpoint_<iteration>`` (``output_dir`` may be left out),
 after the oldest ones beyond ``total_limit`` are deleted; every save started counts an
-iteration. Unlike ``save_state``, which writes into an existing directory, a non-empty
-one raises `CheckpointExistsError` unless ``overwrite=True`` replaces it as a whole.
+iteration. Nothing but complete checkpoints ever appears in ``checkpoints/``, which
+``load_state()`` and the rotation take entry by entry: the work in progress is in
+``<project_dir>/.aiopersist-staging/`` (`_work_outside_checkpoints`). Unlike
+``save_state``, which writes into an existing directory, a non-empty one raises
+`CheckpointExistsError` unless ``overwrite=True`` replaces it as a whole.
 
 It returns once the save is started. Call ``await handle.staged`` (or
 ``handle.wait_staged()`` from a synchronous loop with `save_state_blocking`) before the
@@ -47,6 +50,7 @@ raise `ValueError`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import re
@@ -59,11 +63,15 @@ import torch
 from .. import _knobs
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Checkpointer, SaveHandle
+from .._commit import make_directories, remove_path
 from .._dist import background_group, coordinator, process0_group
 from .._exceptions import CheckpointExistsError
+from .._names import TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
 from .._save import SaveInfo, TorchSave
 from ._common import delete_checkpoints, files_written_by, gather_objects, torch_bytes
 from ._fsdp import ShardedSave, ShardedSaver, check_plugin, fsdp_states
+
+log = logging.getLogger("aiopersist")
 
 
 def _rng_states(step: int) -> dict[str, Any]:
@@ -86,6 +94,48 @@ def _rotates(accelerator: Any) -> bool:
     return bool(
         config.automatic_checkpoint_naming and config.total_limit is not None and accelerator.is_main_process
     )
+
+
+WORK_PLACE = ".aiopersist-staging"
+"""With automatic naming: where the work in progress of the checkpoints in
+``<project_dir>/checkpoints/`` goes, ``<project_dir>/.aiopersist-staging/``."""
+
+
+def _work_outside_checkpoints(accelerator: Any) -> None:
+    """With automatic naming, put the work in progress of the checkpoints in
+    ``<project_dir>/checkpoints/`` (temporary directories, the staging of the hooks' files,
+    deletions) into `WORK_PLACE` (`work_elsewhere`): ``save_state`` and ``load_state`` take
+    every entry of ``checkpoints/`` for a checkpoint, hidden ones too (``load_state()``
+    loads the one with the highest number, the rotation counts and deletes them), so a
+    save in flight or killed must leave nothing there. The first time in a process,
+    process 0 removes what interrupted saves and deletions left in `WORK_PLACE`, before the
+    barrier of `_target` (no process stages anything there before it). Where
+    ``checkpoints/`` is on another file system than the project directory, the work stays
+    beside the checkpoints, as the docs say."""
+    config = accelerator.project_configuration
+    if not config.automatic_checkpoint_naming:
+        return
+    base = os.path.join(accelerator.project_dir, "checkpoints")
+    place = os.path.join(accelerator.project_dir, WORK_PLACE)
+    if work_place(base) == os.path.abspath(place):
+        return
+    make_directories(base)
+    make_directories(place)
+    if os.stat(base).st_dev != os.stat(place).st_dev:
+        log.warning(
+            "aiopersist: %s and %s are on different file systems: temporary directories stay in %s",
+            base,
+            place,
+            base,
+        )
+        return
+    if accelerator.is_main_process:
+        leftovers = [n for n in os.listdir(place) if any(m in n for m in (TMP_MARKER, TRASH_MARKER))]
+        for name in leftovers:
+            remove_path(os.path.join(place, name))
+        if leftovers:
+            log.info("aiopersist: removed %d leftovers of interrupted saves from %s", len(leftovers), place)
+    work_elsewhere(base, place)
 
 
 def _outdated(accelerator: Any) -> list[str]:
@@ -284,6 +334,7 @@ async def save_state(
 ) -> SaveHandle:
     """Start an asynchronous ``accelerator.save_state(output_dir)``; see the module
     docstring. ``checkpointer`` does the saving (keep one for the whole run)."""
+    await asyncio.to_thread(_work_outside_checkpoints, accelerator)
     if _rotates(accelerator):
         await checkpointer.wait()  # the checkpoints in flight count, and are complete, before any goes
         await asyncio.to_thread(_drain_fsdp, checkpointer)
@@ -314,6 +365,7 @@ def save_state_blocking(
     """`save_state` for synchronous training loops, with a `BlockingCheckpointer`:
     ``handle.wait_staged()`` before the next optimizer step, ``handle.wait()`` for
     durability."""
+    _work_outside_checkpoints(accelerator)
     if _rotates(accelerator):
         checkpointer.wait()
         _drain_fsdp(checkpointer.checkpointer)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +319,108 @@ def test_save_state_under_fsdp2_is_the_stock_layout_and_load_state_restores_it(
     manifests = {"aiopersist.json", *(f"{d}/aiopersist.json" for d in dcp_dirs)}
     assert files(tmp_path / "ours") == files(tmp_path / "stock") | manifests
     assert reports[0]["verify"] == len(files(tmp_path / "ours")) - 1
+
+
+class _Stuck:
+    """Pickled by ``torch.save`` inside a save: holds the save in flight."""
+
+    def __reduce__(self) -> Any:
+        print("saving", flush=True)
+        time.sleep(600)
+        return (int, (0,))
+
+
+class _Custom:
+    """An object registered with ``register_for_checkpointing``, written by ``torch.save``
+    during the save (as ``custom_checkpoint_0.pkl``)."""
+
+    def __init__(self) -> None:
+        self.stuck = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stuck": _Stuck()} if self.stuck else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def _hook_stuck_after_the_first(models: Any, weights: Any, output_dir: str) -> None:
+    os.makedirs(os.path.join(output_dir, "hooked"), exist_ok=True)
+    Path(output_dir, "hooked", "note.txt").write_text("hooked")
+    if os.environ.get("STUCK_IN") == "hook" and os.listdir(Path(os.environ["PROJECT"], "checkpoints")):
+        print("saving", flush=True)
+        time.sleep(600)
+
+
+_KILLED = """
+import os, sys
+sys.path.insert(0, {root!r})
+import torch
+from accelerate.utils import ProjectConfiguration
+import aiopersist
+from aiopersist.integrations.accelerate import save_state_blocking
+from tests.e2e.test_accelerate import _Custom, _hook_stuck_after_the_first, _setup, _step
+
+project = os.environ["PROJECT"]
+config = ProjectConfiguration(project, automatic_checkpoint_naming=True, total_limit=3)
+accelerator, model, opt, sched = _setup(config)
+custom = _Custom()
+accelerator.register_for_checkpointing(custom)
+accelerator.register_save_state_pre_hook(_hook_stuck_after_the_first)
+_step(model, opt, sched)
+with aiopersist.BlockingCheckpointer(backend={backend!r}) as ck:
+    save_state_blocking(accelerator, checkpointer=ck).wait()
+    torch.save(model.state_dict(), os.path.join(project, "saved.pt"))
+    _step(model, opt, sched)
+    custom.stuck = os.environ["STUCK_IN"] == "save"
+    save_state_blocking(accelerator, checkpointer=ck).wait()
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("stuck_in", ["save", "hook"])
+def test_a_save_killed_with_automatic_naming_leaves_nothing_that_load_state_takes(
+    tmp_path: Path, backend: str, stuck_in: str
+) -> None:
+    """Automatic naming: ``load_state()`` with no directory takes the entry of
+    ``checkpoints/`` with the highest number, hidden ones too. A process killed (kill -9)
+    with a save in flight, or while its save hooks write, leaves nothing there: a stock
+    ``load_state()`` restores the last complete checkpoint, and the next save removes
+    what the killed one left in the staging place."""
+    import signal
+
+    project = tmp_path / "project"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED.format(root=str(ROOT), backend=backend)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "STUCK_IN": stuck_in, "PROJECT": str(project)},
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "saving"  # the second save is in flight
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    staging = project / ".aiopersist-staging"
+    assert os.listdir(project / "checkpoints") == ["checkpoint_0"]
+    assert [n for n in os.listdir(staging) if ".aiopersist-tmp-" in n]  # what the kill left
+
+    config = ProjectConfiguration(str(project), automatic_checkpoint_naming=True, total_limit=3)
+    accelerator, model, opt, sched = _setup(config)
+    accelerator.register_for_checkpointing(_Custom())
+    _step(model, opt, sched)
+    accelerator.load_state()  # the stock loader, no directory: the newest checkpoint
+    saved = torch.load(project / "saved.pt", weights_only=True)
+    for k, v in saved.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    accelerator.project_configuration.iteration = 1
+    with aiopersist.BlockingCheckpointer(backend=backend) as ck:
+        save_state_blocking(accelerator, checkpointer=ck).wait()
+    assert os.listdir(staging) == []  # the leftovers are gone
+    assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_0", "checkpoint_1"]
