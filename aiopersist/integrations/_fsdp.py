@@ -36,6 +36,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -181,6 +182,7 @@ class ShardedSaver:
         try:
             for (name, state), fence in zip(states.items(), fences, strict=True):
                 writer = AiopersistWriter(os.path.join(tmp, name), backend=self.backend, publish=False)
+                writer.checkpoint_id = Path(final, name)  # as the stock save records it
                 writer._fence = fence
                 with self._collective(f"writing {name}/"):
                     dcp_save(state, storage_writer=writer, process_group=group)

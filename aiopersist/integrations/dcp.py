@@ -66,6 +66,7 @@ import threading
 import uuid
 import zipfile
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
@@ -434,6 +435,9 @@ class AiopersistWriter(StorageWriter):
             raise ValueError("AiopersistWriter: publish=False writes one directory in place, without disks")
         self.publish = publish
         self.path = os.path.abspath(os.fspath(path)) if path is not None else None
+        self.checkpoint_id: Path | None = Path(path) if path is not None else None
+        """The checkpoint as it was named, recorded in the metadata's ``storage_meta`` as
+        ``FileSystemWriter`` records it (a ``Path``)."""
         self.disks = [os.path.abspath(os.fspath(d)) for d in disks]
         self.overwrite = overwrite
         self.backend = backend
@@ -453,10 +457,12 @@ class AiopersistWriter(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.checkpoint_id = Path(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self._path(), save_id=self.save_id)
+        self._path()  # raises without a checkpoint directory
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def _paths(self) -> list[str]:
         """The checkpoint, then its place on each further disk (``<disk>/<its name>``, as a
@@ -1020,7 +1026,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
             or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
             or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "pathlib" and name in _PATHS)
+            or (module in ("pathlib", "pathlib._local") and name in _PATHS)  # _local: Python 3.13
             or (module == "collections" and name == "OrderedDict")
         )
         if not allowed:

@@ -101,6 +101,26 @@ def test_a_round_trip_through_the_writer_and_both_readers(backend_name: str, tmp
     assert rows["model.bf"]["dtype"] == "BF16"
 
 
+def test_the_metadata_records_the_checkpoint_as_filesystemwriter_does(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``storage_meta.checkpoint_id`` is the directory as it was named, a ``Path``, as
+    ``FileSystemWriter`` records it (a relative name stays relative)."""
+    monkeypatch.chdir(tmp_path)
+    metas = {}
+    for name, writer in (
+        ("stock", FileSystemWriter("stock")),
+        ("ours", AiopersistWriter(backend=backend_name)),
+    ):
+        dcp.save(_state(), checkpoint_id=name, storage_writer=writer)
+        metas[name] = FileSystemReader(name).read_metadata().storage_meta
+    for name, meta in metas.items():
+        assert type(meta.checkpoint_id) is type(metas["stock"].checkpoint_id), name
+        assert meta.checkpoint_id == Path(name)
+    ours = AiopersistReader(tmp_path / "ours", backend=backend_name).read_metadata().storage_meta
+    assert ours.checkpoint_id == Path("ours")  # the reader's own unpickler takes the Path too
+
+
 def test_dcps_own_directory_is_read_through_the_engine(backend_name: str, tmp_path: Path) -> None:
     ck = tmp_path / "stock"
     state = _state(1)
