@@ -121,6 +121,86 @@ def test_the_metadata_records_the_checkpoint_as_filesystemwriter_does(
     assert ours.checkpoint_id == Path("ours")  # the reader's own unpickler takes the Path too
 
 
+def test_a_replaced_checkpoint_is_deleted_off_the_saves_clock(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``overwrite=True``: the replaced checkpoint is deleted in the background after the
+    new one is published (the save returns without waiting for it); until then it is a
+    temporary-marked leftover beside the checkpoint, and the next publication waits for
+    it, so that at most one replaced checkpoint is ever pending."""
+    import threading
+
+    from aiopersist.integrations import dcp as aio_dcp
+
+    gate = threading.Event()
+    real = aio_dcp.remove_path
+
+    def held(path: str) -> None:
+        assert gate.wait(60)
+        real(path)
+
+    monkeypatch.setattr(aio_dcp, "remove_path", held)
+    ck = tmp_path / "ck"
+    for seed in (0, 1):
+        writer = AiopersistWriter(overwrite=True, backend=backend_name)
+        dcp.save(_state(seed), checkpoint_id=str(ck), storage_writer=writer)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "ck"]
+    assert len(leftovers) == 1  # its deletion waits
+    assert leftovers[0].startswith(".ck.aiopersist-tmp-")
+    assert _same(_load(ck, AiopersistReader(backend=backend_name)), _state(1))
+    third = threading.Thread(
+        target=dcp.save,
+        args=(_state(2),),
+        kwargs={
+            "checkpoint_id": str(ck),
+            "storage_writer": AiopersistWriter(overwrite=True, backend=backend_name),
+        },
+    )
+    third.start()
+    third.join(1.0)
+    assert third.is_alive()  # its publication waits for the pending deletion
+    gate.set()
+    third.join(60)
+    aio_dcp._wait_deletions()
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+    assert _same(_load(ck, AiopersistReader(backend=backend_name)), _state(2))
+
+
+_OVERWRITE_AND_EXIT = """
+import sys, time
+sys.path.insert(0, {root!r})
+import torch.distributed.checkpoint as dcp
+from aiopersist.integrations import dcp as aio_dcp
+from tests.io.test_dcp import _state
+
+real = aio_dcp.remove_path
+
+
+def slow(path):  # a deletion as slow as a large checkpoint's
+    time.sleep(0.5)
+    real(path)
+
+
+aio_dcp.remove_path = slow
+for seed in range(3):
+    writer = aio_dcp.AiopersistWriter(overwrite=True, backend={b!r})
+    dcp.save(_state(seed), checkpoint_id={ck!r}, storage_writer=writer)
+"""
+
+
+def test_an_exit_right_after_an_overwrite_leaves_no_replaced_checkpoint(
+    backend_name: str, tmp_path: Path
+) -> None:
+    root = str(Path(__file__).resolve().parents[2])
+    script = _OVERWRITE_AND_EXIT.format(root=root, ck=str(tmp_path / "ck"), b=backend_name)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # the exit waited for the deletion
+    assert _same(_load(tmp_path / "ck", FileSystemReader(str(tmp_path / "ck"))), _state(2))
+
+
 def test_dcps_own_directory_is_read_through_the_engine(backend_name: str, tmp_path: Path) -> None:
     ck = tmp_path / "stock"
     state = _state(1)
