@@ -13,8 +13,10 @@ import asyncio
 import bisect
 import contextlib
 import contextvars
+import fcntl
 import itertools
 import os
+import stat
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -23,7 +25,7 @@ import torch
 from ._backends import IOBackend
 from ._backends._base import Buffer, to_thread_to_the_end
 from ._direct import AlignedBuffer, DirectIOInfo, copy_bytes
-from ._exceptions import CheckpointCorruptError, from_os_error
+from ._exceptions import CheckpointCorruptError, CheckpointIOError, from_os_error
 from ._staging import StagingPool
 
 Bytes = bytes | bytearray | memoryview
@@ -593,6 +595,15 @@ def _direct_part(off: int, dest: torch.Tensor, dio: DirectIOInfo) -> tuple[int, 
     return (k0, k1) if k1 > k0 else (0, 0)
 
 
+def _refuse_if_not_regular(name: str) -> None:
+    try:
+        mode = os.lstat(name).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise CheckpointCorruptError(f"{name}: not a regular file (it changed since it was checked)")
+
+
 async def read_segments(
     backend: IOBackend,
     path: str | os.PathLike[str],
@@ -635,13 +646,25 @@ async def read_segments(
     align = dio.offset_align if dio.direct else 1
     windows = _plan_windows([(off, off + d.numel()) for off, d in staged], align, window)
 
-    # Never through a link: a checkpoint's files are regular files (checked when located).
-    fd = await backend.open(name, os.O_RDONLY | os.O_NOFOLLOW | dio.open_flags)
+    # Never through a link, and never blocking in the open: a checkpoint's files are
+    # regular files (checked when located), but one may have been swapped for a FIFO
+    # since, whose open would wait for a writer for ever. O_NONBLOCK is cleared once the
+    # file is known to be regular (io_uring would answer EAGAIN rather than wait for it).
+    try:
+        fd = await backend.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | dio.open_flags)
+    except CheckpointIOError:
+        _refuse_if_not_regular(name)  # O_DIRECT on a FIFO fails with EINVAL
+        raise
     try:
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         except OSError as exc:
             raise from_os_error(exc, "fstat", name) from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorruptError(f"{name}: not a regular file (it changed since it was checked)")
+        size = st.st_size
         if last > size:
             raise CheckpointCorruptError(f"{name}: file is truncated ({size} bytes, data needs {last})")
 

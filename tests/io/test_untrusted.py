@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -184,6 +185,47 @@ async def test_a_fifo_never_hangs_load_or_verify(backend_name: str, tmp_path: Pa
     async with aiopersist.CheckpointManager(tmp_path / "run", backend=backend_name) as mgr:
         assert mgr.steps() == [1]
         assert (await mgr.restore())["step"] == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+async def test_a_file_swapped_for_a_fifo_after_the_checks_never_hangs_the_read(
+    backend_name: str, tmp_path: Path, direct: bool
+) -> None:
+    """A data file replaced by a FIFO between the checks of locate and the read (a race):
+    the read's own open must not wait for a writer; it refuses the FIFO. (On a regression
+    a writer opens the FIFO after 10 s, so that the test fails rather than hangs.)"""
+    import threading
+    import time
+
+    from aiopersist._backends import open_backend
+    from aiopersist._direct import probe_directory
+    from aiopersist._staging import StagingPool
+    from aiopersist._stream import read_segments
+
+    fifo = tmp_path / "state.safetensors"
+    os.mkfifo(fifo)
+    stop = threading.Event()
+
+    def unblock() -> None:
+        if not stop.wait(10):
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b"x" * 64)
+            os.close(fd)
+
+    threading.Thread(target=unblock, daemon=True).start()
+    pool = StagingPool()
+    t0 = time.monotonic()
+    try:
+        async with open_backend(backend_name) as be:
+            with pytest.raises(aiopersist.CheckpointCorruptError, match="not a regular file"):
+                dest = torch.empty(4096, dtype=torch.uint8)
+                dio = dataclasses.replace(probe_directory(str(tmp_path)), direct=direct)
+                await read_segments(be, str(fifo), dio, pool, [(0, dest)])
+    finally:
+        stop.set()
+        pool.close()
+    assert time.monotonic() - t0 < 10
 
 
 # -- sizes, shapes and offsets ----------------------------------------------------------------
