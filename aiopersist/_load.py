@@ -34,7 +34,7 @@ from ._manifest import FileRecord, Manifest, RankState, new_hasher
 from ._readplan import FileRead, ReadPlan, Span, check_tiling, plan_read, plan_safetensors, plan_verify
 from ._skeleton import decode
 from ._staging import StagingPool
-from ._stream import read_segments, run_all, settle
+from ._stream import files_at_once, read_segments, run_all, settle
 from ._workers import DaemonThreadPool
 
 Progress = Callable[[int], None]
@@ -252,18 +252,21 @@ async def execute_read(
     prefault.start()
     manifest = loc.manifest
 
+    bound = files_at_once()
+
     async def one(read: FileRead) -> None:
-        if manifest is None:  # a plain safetensors file: named by its path
-            await _read_spans(be, read.file, loc.dio, pool, read, dests, progress)
-            return
-        rec = manifest.files[read.file]
-        path = loc.path_of(rec)
-        if read.whole and not read.spans:  # check-only (verify): nothing to keep
-            await _check_whole(be, path, loc.dio, pool, rec, read, progress)
-        elif read.whole:
-            await _read_whole(be, path, loc.dio, pool, rec, read, dests, progress)
-        else:
-            await _read_spans(be, path, loc.dio, pool, read, dests, progress)
+        async with bound:
+            if manifest is None:  # a plain safetensors file: named by its path
+                await _read_spans(be, read.file, loc.dio, pool, read, dests, progress)
+                return
+            rec = manifest.files[read.file]
+            path = loc.path_of(rec)
+            if read.whole and not read.spans:  # check-only (verify): nothing to keep
+                await _check_whole(be, path, loc.dio, pool, rec, read, progress)
+            elif read.whole:
+                await _read_whole(be, path, loc.dio, pool, rec, read, dests, progress)
+            else:
+                await _read_spans(be, path, loc.dio, pool, read, dests, progress)
 
     jobs: list[Any] = [one(read) for read in plan.files]
     if plan.pickle_file is not None and manifest is not None:

@@ -220,8 +220,10 @@ def locate(path: PathArg) -> Located:
             places = part_places(target, manifest, paths)
             for i in sorted({rec.directory for rec in manifest.files.values()} - {0}):
                 _check_part(places[i], mpath)  # a directory the save wrote nothing to was not made
-            for i in sorted({rec.directory for rec in manifest.files.values()}):
-                names = [n for n, rec in manifest.files.items() if rec.directory == i]
+            by_directory: dict[int, list[str]] = {}
+            for name, rec in manifest.files.items():
+                by_directory.setdefault(rec.directory, []).append(name)
+            for i, names in sorted(by_directory.items()):
                 for sub in member_directories(names):  # parents first: no link on the way
                     _check_part(os.path.join(places[i], sub), mpath, "subdirectory")
             sizes = {

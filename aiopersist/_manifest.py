@@ -12,23 +12,30 @@ from __future__ import annotations
 import json
 import math
 import os
+import posixpath
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import xxhash
 
 from ._exceptions import CheckpointCorruptError
 from ._flatten import ViewSpec, dtype_of
 from ._format import DTYPES, dtype_name
-from ._names import PART_RE
+from ._names import MANIFEST_NAME, PART_RE
 from ._skeleton import check_skeleton
 from ._workers import gc_paused
 
 FORMAT = "aiopersist"
-VERSION = 2
+VERSION = 3
 """The newest format this version reads. A save that uses nothing of version 2 (several
-directories, several ranks, sliced tensors) writes version 1, which older readers take."""
+directories, several ranks, sliced tensors, files in a subdirectory) writes version 1,
+which older readers take; version 3 is version 2 with files more than one subdirectory
+deep, which version 2 readers refuse as newer (not as corrupt)."""
+MAX_MEMBER_DEPTH = 16
+"""How many subdirectories deep a checkpoint's file may be (version 3)."""
+MAX_NAME_BYTES = 1024
+"""The longest file name, subdirectories included, a checkpoint may list."""
 CHECKSUM = "xxh3_64"
 MAX_MANIFEST_BYTES = 1 << 30
 
@@ -333,7 +340,16 @@ subdirectories by ``<subdirectory>/<name>``)."""
 
 
 def safe_file_name(name: object, where: str) -> str:
-    """A file name from a manifest, refused unless it names a plain file in the checkpoint."""
+    """A file name from a manifest, refused unless it names a plain file in the checkpoint
+    (and one the file system can hold: no more than 255 bytes, nothing that cannot be
+    encoded)."""
+    problem = _name_problem(name)
+    if problem is not None:
+        raise CheckpointCorruptError(f"{where}: file name {_short(name)} {problem}")
+    return cast(str, name)
+
+
+def _name_problem(name: object) -> str | None:
     if (
         not isinstance(name, str)
         or not name
@@ -343,24 +359,61 @@ def safe_file_name(name: object, where: str) -> str:
         or "\0" in name
         or os.path.isabs(name)
     ):
-        raise CheckpointCorruptError(f"{where}: file name {name!r} would escape the checkpoint directory")
-    return name
+        return "would escape the checkpoint directory"
+    if _encoded_size(name) > 255:
+        return "is not a name a file can have"
+    return None
 
 
-def safe_member_name(name: object, where: str) -> str:
+def _encoded_size(name: str) -> int:
+    """The bytes of ``name`` on disk; more than any limit when it cannot be encoded (a lone
+    surrogate)."""
+    try:
+        return len(os.fsencode(name))
+    except UnicodeEncodeError:
+        return MAX_NAME_BYTES + 1
+
+
+def safe_member_name(name: object, where: str, depth: int = MAX_MEMBER_DEPTH) -> str:
     """A file name from a version 2 manifest: a plain file in the checkpoint
-    (`safe_file_name`) or in subdirectories of it, ``<subdirectory>/.../<name>`` (each
-    component a plain name: nothing absolute, empty, ``.`` or ``..``)."""
+    (`safe_file_name`) or in subdirectories of it, at most ``depth`` deep (one in version
+    2), ``<subdirectory>/.../<name>``: each component a plain name (nothing absolute,
+    empty, ``.`` or ``..``), at most `MAX_NAME_BYTES` in all."""
     if isinstance(name, str) and "/" in name:
-        for component in name.split("/"):
-            try:
-                safe_file_name(component, where)
-            except CheckpointCorruptError:
-                raise CheckpointCorruptError(
-                    f"{where}: file name {name!r} would escape the checkpoint directory"
-                ) from None
+        components = name.split("/", depth + 1)
+        problem = (
+            f"is deeper than {depth} subdirectories"
+            if len(components) > depth + 1
+            else next((p for p in map(_name_problem, components) if p is not None), None)
+        )
+        if problem is None and _encoded_size(name) > MAX_NAME_BYTES:
+            problem = f"is longer than {MAX_NAME_BYTES} bytes"
+        if problem is not None:
+            raise CheckpointCorruptError(f"{where}: file name {_short(name)} {problem}")
         return name
     return safe_file_name(name, where)
+
+
+def format_version(names: Iterable[str], version: int) -> int:
+    """The format version of a manifest listing the files ``names`` that needs ``version``
+    for everything else: 3 when a file is more than one subdirectory deep."""
+    return max(
+        version, 3 if any(n.count("/") > 1 for n in names) else 2 if any("/" in n for n in names) else 1
+    )
+
+
+def dcp_directories(m: Manifest) -> list[str]:
+    """The ``torch.distributed.checkpoint`` directories of a checkpoint, relative to it:
+    itself (``""``) in the ``dcp`` layout; in the ``fsdp`` layout each one its saver wrote
+    (listed with its own manifest, ``<directory>/aiopersist.json``), not a directory of
+    other files that happens to hold a ``.metadata``."""
+    if m.layout == "dcp":
+        return [""]
+    if m.layout == "fsdp":
+        return sorted(
+            posixpath.dirname(n) for n in m.files if posixpath.basename(n) == MANIFEST_NAME and "/" in n
+        )
+    return []
 
 
 def member_directories(names: Iterable[str]) -> list[str]:
@@ -526,7 +579,10 @@ def _files(
 ) -> dict[str, FileRecord]:
     files: dict[str, FileRecord] = {}
     for name, spec in _object(doc.get("files"), "files", where).items():
-        safe_member_name(name, where) if version >= 2 else safe_file_name(name, where)
+        if version >= 2:
+            safe_member_name(name, where, MAX_MEMBER_DEPTH if version >= 3 else 1)
+        else:
+            safe_file_name(name, where)
         what = f"files[{name!r}]"
         spec = _object(spec, what, where)
         nbytes = _int(spec.get("bytes"), f"{what}.bytes", where)

@@ -62,6 +62,7 @@ from ._manifest import (
     SliceRecord,
     TensorRecord,
     dump_manifest,
+    format_version,
     member_directories,
     new_hasher,
     safe_member_name,
@@ -296,14 +297,22 @@ def check_save_arguments(
     if extra_files:
         if ranks > 1 or len(paths) > 1:
             raise ValueError("extra_files: only for a save by one process into one directory")
-        for name in extra_files:
-            try:
-                safe_member_name(name, "extra_files")
-            except CheckpointCorruptError as exc:
-                raise ValueError(str(exc)) from None
-            if name in (PICKLE_FILE, MANIFEST_NAME, MODEL_INDEX):
-                raise _reserved(name)
-        check_file_tree(extra_files, "extra_files")
+        check_file_names(extra_files, (PICKLE_FILE, MANIFEST_NAME, MODEL_INDEX), "extra_files")
+
+
+def check_file_names(names: Iterable[str], reserved: Sequence[str], what: str) -> None:
+    """``ValueError`` for a name among ``names`` (the files to write into a checkpoint) that
+    would escape it, lie more than `MAX_MEMBER_DEPTH` subdirectories deep, be one of the
+    names the checkpoint itself uses (``reserved``), or be one of those as a directory."""
+    names = list(names)
+    for name in names:
+        try:
+            safe_member_name(name, what)
+        except CheckpointCorruptError as exc:
+            raise ValueError(str(exc)) from None
+        if name in reserved:
+            raise ValueError(f"{what}: {name!r} is a name the checkpoint itself uses")
+    check_file_tree([*names, *reserved], what)
 
 
 def check_file_tree(names: Iterable[str], what: str) -> None:
@@ -690,7 +699,7 @@ def _manifest_files(
         metadata=dict(metadata or {}),
         layout=plan.layout,
         world_size=len(descs),
-        version=2 if plan.spread or any("/" in rec.name for rec in extras) else 1,
+        version=format_version(files, 2 if plan.spread else 1),
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         sliced=sliced,
         directories=_directories(paths, token),

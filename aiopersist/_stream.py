@@ -595,6 +595,16 @@ def _direct_part(off: int, dest: torch.Tensor, dio: DirectIOInfo) -> tuple[int, 
     return (k0, k1) if k1 > k0 else (0, 0)
 
 
+FILES_AT_ONCE = 64
+"""The most files one load, verify or DCP read has open at once (a checkpoint may list
+more files than a process may open: 1024 by default)."""
+
+
+def files_at_once() -> asyncio.Semaphore:
+    """A bound for the files one read has open at once (`FILES_AT_ONCE`)."""
+    return asyncio.Semaphore(FILES_AT_ONCE)
+
+
 def _refuse_if_not_regular(name: str) -> None:
     try:
         mode = os.lstat(name).st_mode

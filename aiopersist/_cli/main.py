@@ -37,7 +37,7 @@ from .._exceptions import (
     UnsupportedStateError,
     maps_os_errors,
 )
-from .._names import DCP_METADATA
+from .._manifest import dcp_directories
 from .progress import Progress, human
 
 
@@ -517,8 +517,7 @@ def _describe_manifest(target: str, m: Manifest, places: Sequence[str]) -> dict[
     elif m.layout == "fsdp":
         # Each torch.distributed.checkpoint subdirectory's tensors (their names carry the
         # subdirectory's own prefix: model., optimizer.).
-        subdirectories = sorted({n.split("/")[0] for n in m.files if n.endswith("/" + DCP_METADATA)})
-        rows = [row for sub in subdirectories for row in _dcp_rows(os.path.join(target, sub))]
+        rows = [row for sub in dcp_directories(m) for row in _dcp_rows(os.path.join(target, sub))]
     return _document(
         target,
         "aiopersist",
@@ -657,7 +656,7 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         with Progress("verify") as bar:
             report = asyncio.run(verify(args.path, backend=args.backend, progress=bar.update))
-        _check_dcp_metadata(report.files)
+        _check_dcp_metadata(args.path)
     except CheckpointNotFoundError as exc:
         print(f"not found: {printable(str(exc))}")
         return 1
@@ -672,16 +671,18 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_dcp_metadata(files: tuple[str, ...]) -> None:
-    """Each torch.distributed.checkpoint directory among the verified files (a DCP
-    checkpoint, or the sharded state of an FSDP one): its ``.metadata`` read as a load
-    reads it, so that what its checksum cannot tell (metadata forged with its manifest)
-    is reported too."""
-    from ..integrations.dcp import METADATA_FILE, AiopersistReader
+def _check_dcp_metadata(path: str) -> None:
+    """Each torch.distributed.checkpoint directory of the verified checkpoint (a DCP
+    checkpoint, or the sharded state of an FSDP one; not a file that happens to be named
+    ``.metadata``): its ``.metadata`` read as a load reads it, so that what its checksum
+    cannot tell (metadata forged with its manifest) is reported too."""
+    from .._locate import locate
+    from ..integrations.dcp import AiopersistReader
 
-    for path in files:
-        if os.path.basename(path) == METADATA_FILE:
-            AiopersistReader(os.path.dirname(path)).read_metadata()
+    loc = locate(path)
+    if loc.manifest is not None:
+        for sub in dcp_directories(loc.manifest):
+            AiopersistReader(os.path.join(loc.directory, sub)).read_metadata()
 
 
 # -- ls and gc ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 
 from .._dist import coordinator
 from .._manager import delete_step
+from .._manifest import MAX_MEMBER_DEPTH
 from .._names import TMP_MARKER, work_place
 
 log = logging.getLogger("aiopersist")
@@ -52,9 +53,9 @@ def files_written_by(write: Callable[[str], None], beside: str, *, keep: bool = 
     checkpoint itself; the staging directory is removed. With ``keep=False`` the writer
     runs (it may have effects the framework relies on) and nothing is read.
 
-    The checkpoint takes files, in subdirectories at any depth: anything it cannot hold
-    (a link, a FIFO, an empty directory) raises `ValueError` naming it, rather than being
-    dropped."""
+    The checkpoint takes files, in subdirectories up to `MAX_MEMBER_DEPTH` deep: anything
+    it cannot hold (a link, a FIFO, an empty directory, a file deeper than that) raises
+    `ValueError` naming it, rather than being dropped."""
     parent, name = os.path.split(os.path.abspath(beside))
     place = work_place(parent)
     os.makedirs(place, exist_ok=True)
@@ -72,6 +73,11 @@ def files_written_by(write: Callable[[str], None], beside: str, *, keep: bool = 
 
 def _read_tree(root: str, prefix: str, files: dict[str, bytes], beside: str) -> None:
     """Every file under ``root/prefix`` into ``files``, by its path under ``root``."""
+    if prefix.count("/") > MAX_MEMBER_DEPTH:
+        raise ValueError(
+            f"{prefix!r} was written for the checkpoint {beside}: a checkpoint's files lie at most "
+            f"{MAX_MEMBER_DEPTH} subdirectories deep"
+        )
     entries = sorted(os.scandir(os.path.join(root, prefix)), key=lambda e: e.name)
     if prefix and not entries:
         raise ValueError(

@@ -61,7 +61,7 @@ from .._manifest import (
     safe_file_name,
 )
 from .._names import MANIFEST_NAME
-from .._save import SaveInfo, TorchSave, check_save_arguments, write_extra_files, write_file
+from .._save import SaveInfo, TorchSave, check_file_names, write_extra_files, write_file
 from .._staging import StagingPool
 from .._workers import DaemonThreadPool
 from .dcp import AiopersistWriter, _dcp_manifest, _Fence, _new_fence, _on_engine
@@ -136,7 +136,7 @@ class ShardedSaver:
             safe_file_name(name, "the checkpoint")
         if files and self.rank != 0:
             raise ValueError("ShardedSaver.save: only process 0 writes the checkpoint's files")
-        check_save_arguments(None, files, [final], 1)  # the names of the files
+        check_file_names(files or {}, (MANIFEST_NAME,), "ShardedSaver.save: files")
         for name in files or {}:
             if name.split("/")[0] in states:
                 raise ValueError(f"ShardedSaver.save: the file {name!r} would be in a DCP directory's place")

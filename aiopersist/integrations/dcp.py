@@ -105,11 +105,27 @@ from .._exceptions import (
     from_os_error,
 )
 from .._locate import checkpoint_paths, locate, own_parts, read_small, regular_size, token_at
-from .._manifest import EntryRecord, FileRecord, Manifest, dump_manifest, new_hasher, safe_file_name
+from .._manifest import (
+    EntryRecord,
+    FileRecord,
+    Manifest,
+    dump_manifest,
+    format_version,
+    new_hasher,
+    safe_file_name,
+)
 from .._names import DCP_METADATA, MANIFEST_NAME, part_dir, temp_path
 from .._save import write_file
 from .._staging import StagingPool
-from .._stream import Bytes, PartHasher, read_segments, record_cuda_ready, run_all, use_cuda_ready
+from .._stream import (
+    Bytes,
+    PartHasher,
+    files_at_once,
+    read_segments,
+    record_cuda_ready,
+    run_all,
+    use_cuda_ready,
+)
 from .._workers import DaemonThreadPool
 
 __all__ = ["AiopersistReader", "AiopersistWriter", "FenceStager"]
@@ -710,7 +726,7 @@ def _dcp_manifest(
         skeleton={},
         layout=layout,
         world_size=world_size,
-        version=2,
+        version=format_version(files, 2),
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         directories=(".", *parts),
         entries={n: tuple(sorted(e, key=lambda x: x.begin)) for n, e in entries.items()},
@@ -1349,10 +1365,12 @@ async def _read_entries(
     pool = StagingPool()
     try:
         async with open_backend(backend) as be:
+            bound = files_at_once()
 
             async def one(path: str, segments: list[tuple[int, torch.Tensor]]) -> None:
-                dio = await asyncio.to_thread(probe_file_for_read, path)
-                await read_segments(be, path, dio, pool, segments)
+                async with bound:
+                    dio = await asyncio.to_thread(probe_file_for_read, path)
+                    await read_segments(be, path, dio, pool, segments)
 
             await run_all(one(p, segs) for p, segs in by_file.items())
     finally:

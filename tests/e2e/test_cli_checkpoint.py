@@ -199,6 +199,21 @@ def test_verify_detects_truncation(fresh_copy: Path) -> None:
     assert "truncated" in proc.stdout
 
 
+def test_verify_and_inspect_take_a_file_named_metadata_for_a_file(tmp_path: Path, backend_name: str) -> None:
+    """Only the DCP directories a checkpoint's saver wrote are read as DCP checkpoints:
+    an extra file that happens to be named ``.metadata`` (in a subdirectory too) is a file
+    like any other, checked by its checksum."""
+    ck = tmp_path / "ck"
+    extra = {"notes/.metadata": b"free text", "deeper/still/.metadata": b"more"}
+    aiopersist.save_sync({"w": torch.ones(3)}, ck, extra_files=extra, backend=backend_name)
+    proc = _cli("verify", "--backend", backend_name, str(ck))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok: aiopersist, 3 files")  # the data file and the two
+    proc = _cli("inspect", str(ck))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "deeper/still/.metadata" in proc.stdout
+
+
 def test_verify_missing_path(tmp_path: Path) -> None:
     proc = _cli("verify", str(tmp_path / "missing"))
     assert proc.returncode == 1

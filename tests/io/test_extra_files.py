@@ -42,7 +42,7 @@ async def test_extra_files_in_subdirectories_are_saved_listed_and_checked(
     assert set(FILES) <= set(info.files)
     assert _tree(ck) == {*FILES, "model.safetensors", "aiopersist.json"}
     manifest = json.loads((ck / "aiopersist.json").read_text())
-    assert manifest["version"] == 2  # a version 1 reader takes no name with a directory in it
+    assert manifest["version"] == 3  # a version 2 reader takes names one subdirectory deep
     assert set(FILES) <= set(manifest["files"])
     assert (ck / "unet" / "config.json").read_bytes() == b'{"layers": 2}'
     w = torch.load(ck / "unet" / "deeper" / "still" / "weights.pt", weights_only=True)["w"]
@@ -54,6 +54,19 @@ async def test_extra_files_in_subdirectories_are_saved_listed_and_checked(
     (ck / "unet" / "config.json").write_bytes(b'{"layers": 3}')  # damaged in a subdirectory
     with pytest.raises(aiopersist.CheckpointCorruptError, match=r"unet/config\.json"):
         await aiopersist.verify(ck, backend=backend_name)
+
+
+@pytest.mark.parametrize(
+    ("files", "version"),
+    [({"top.json": b"{}"}, 1), ({"templates/tool.jinja": b"{}"}, 2), ({"a/b/c.json": b"{}"}, 3)],
+)
+async def test_the_format_version_is_the_oldest_that_reads_the_names(
+    backend_name: str, tmp_path: Path, files: dict[str, bytes], version: int
+) -> None:
+    ck = tmp_path / "ck"
+    await aiopersist.save({"w": torch.ones(4)}, ck, extra_files=files, backend=backend_name)
+    assert json.loads((ck / "aiopersist.json").read_text())["version"] == version
+    await aiopersist.verify(ck, backend=backend_name)
 
 
 async def test_the_subdirectories_are_made_durable(
@@ -96,6 +109,14 @@ async def test_a_mirror_copy_keeps_the_subdirectories(backend_name: str, tmp_pat
         ({"a": b"", "a/b.json": b""}, "'a' is a file and also the directory that holds 'a/b.json'"),
         ({"model.safetensors/x": b""}, "'model.safetensors' is a file and also the directory"),
         ({"aiopersist.json": b""}, "a name the checkpoint itself uses"),
+        ({"aiopersist.json/x": b""}, "'aiopersist.json' is a file and also the directory"),
+        ({"pickled.bin/x": b""}, "'pickled.bin' is a file and also the directory"),
+        ({"model.safetensors.index.json/x": b""}, "'model.safetensors.index.json' is a file and also"),
+        ({"a/" * 17 + "f": b""}, "deeper than 16 subdirectories"),
+        ({"a/" * 1000 + "f": b""}, "deeper than 16 subdirectories"),
+        ({("x" * 200 + "/") * 6 + "f": b""}, "longer than 1024 bytes"),
+        ({"x" * 256: b""}, "is not a name a file can have"),
+        ({"t/\ud800.json": b""}, "is not a name a file can have"),
     ],
 )
 async def test_bad_names_are_refused_before_anything_is_written(
@@ -134,6 +155,10 @@ def _writes(kind: str) -> Callable[[str], None]:
             os.mkfifo(os.path.join(directory, "sub", "fifo"))
         elif kind == "empty":
             os.mkdir(os.path.join(directory, "sub", "empty"))
+        elif kind == "deep":
+            deep = os.path.join(directory, *["d"] * 17)
+            os.makedirs(deep)
+            Path(deep, "f.json").write_text("{}")
 
     return write
 
@@ -150,6 +175,7 @@ async def test_files_written_for_a_checkpoint_are_read_by_their_paths(tmp_path: 
         ("link", "'sub/link' was written .* not a plain file or a directory"),
         ("fifo", "'sub/fifo' was written .* not a plain file or a directory"),
         ("empty", "'sub/empty/' was written .* as an empty directory"),
+        ("deep", "at most 16 subdirectories deep"),
     ],
 )
 async def test_what_a_checkpoint_cannot_hold_is_refused_not_dropped(

@@ -153,6 +153,75 @@ async def test_links_inside_a_checkpoint_are_not_followed(backend_name: str, tmp
     await _refused(ckpt, backend_name, r"aiopersist\.json: a symbolic link")
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("forged", "match"),
+    [
+        ({"a/" * 200_000 + "f": 1}, "deeper than 16 subdirectories"),  # 400 KB: once 20 GB to check
+        ({"t/\ud800.json": 1}, "is not a name a file can have"),
+    ],
+)
+async def test_forged_file_names_cost_no_more_than_the_manifest(
+    backend_name: str, tmp_path: Path, forged: dict[str, int], match: str
+) -> None:
+    """Names a forger can write into a manifest: a name nested 200,000 deep, 40,000 files
+    each in a subdirectory of its own, a name that cannot be encoded. Each is refused by
+    load and verify with `CheckpointCorruptError`, in time and memory in proportion to
+    the manifest."""
+    import time
+
+    ckpt = await _checkpoint(tmp_path / "c", backend_name)
+
+    def forge(doc: dict[str, Any]) -> None:
+        doc["version"] = 3
+        for name, size in forged.items():
+            doc["files"][name] = {"bytes": size, "checksum": "0" * 16}
+
+    _rewrite_manifest(ckpt, forge)
+    t0 = time.monotonic()
+    await _refused(ckpt, backend_name, match)
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.timeout(120)
+async def test_more_files_than_the_process_may_open_are_read_a_bounded_number_at_a_time(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A manifest listing 1,000 files, each in a part directory of its own (a forged one
+    here; a DCP checkpoint of thousands of ranks, in earnest), under a limit of open
+    files well below that: verify opened every file at once (``EMFILE``) and now reads a bounded number
+    at a time, reaching the forged checksums; load reads none of them. (The checks of the
+    subdirectories once took time in the square of their number, too.)"""
+    import resource
+
+    from aiopersist._stream import FILES_AT_ONCE
+
+    ckpt = await _checkpoint(tmp_path / "c", backend_name)
+    token = "ab12cd34"
+    n = 1_000
+    for i in range(n):
+        part = ckpt / f"d{i}" / f"part-{token}"
+        part.mkdir(parents=True)
+        (part / f"f{i}").write_bytes(b"x")
+
+    def forge(doc: dict[str, Any]) -> None:
+        doc["version"] = 2
+        doc["directories"] = [".", *(f"d{i}/part-{token}" for i in range(n))]
+        for i in range(n):
+            doc["files"][f"f{i}"] = {"bytes": 1, "checksum": "0" * 16, "dir": i + 1}
+
+    _rewrite_manifest(ckpt, forge)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir("/proc/self/fd"))  # a test worker's own, to begin with
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + FILES_AT_ONCE + 64, hard))
+    try:
+        with pytest.raises(aiopersist.CheckpointCorruptError, match="checksum"):
+            await aiopersist.verify(ckpt, backend=backend_name)
+        assert (await aiopersist.load(ckpt, backend=backend_name)).keys() == _state().keys()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 # -- FIFOs and other special files ------------------------------------------------------------
 
 

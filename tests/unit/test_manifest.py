@@ -20,7 +20,9 @@ from aiopersist._manifest import (
     SliceRecord,
     TensorRecord,
     TensorTable,
+    dcp_directories,
     dump_manifest,
+    format_version,
     member_directories,
     parse_manifest,
     safe_member_name,
@@ -133,6 +135,56 @@ def test_a_version_2_file_may_be_in_subdirectories(name: str) -> None:
 def test_a_subdirectory_name_cannot_lead_out(name: str) -> None:
     with pytest.raises(CheckpointCorruptError, match="would escape the checkpoint directory"):
         safe_member_name(name, "m")
+
+
+def test_names_are_bounded_in_depth_length_and_encoding() -> None:
+    assert safe_member_name("a/" * 16 + "f", "m") == "a/" * 16 + "f"
+    for name, match in [
+        ("a/" * 17 + "f", "deeper than 16 subdirectories"),
+        ("a/" * 200_000 + "f", "deeper than 16 subdirectories"),  # refused before it is split
+        (("x" * 200 + "/") * 6 + "f", "longer than 1024 bytes"),
+        ("x" * 256, "is not a name a file can have"),
+        ("d/\ud800.json", "is not a name a file can have"),
+        ("\ud800", "is not a name a file can have"),
+    ]:
+        with pytest.raises(CheckpointCorruptError, match=match):
+            safe_member_name(name, "m")
+    with pytest.raises(CheckpointCorruptError, match="deeper than 1 subdirectories"):
+        safe_member_name("a/b/c.json", "m", depth=1)  # a version 2 manifest
+
+
+def test_the_format_version_follows_the_deepest_name() -> None:
+    assert format_version(["model.safetensors", "config.json"], 1) == 1
+    assert format_version(["model.safetensors", "templates/a.jinja"], 1) == 2
+    assert format_version(["unet/sub/config.json"], 1) == 3
+    assert format_version(["x"], 2) == 2
+
+
+def test_a_version_2_manifest_with_deeper_names_is_refused_and_version_3_takes_them() -> None:
+    def manifest(version: int) -> bytes:
+        m = Manifest(
+            files={"a/b/c.json": FileRecord("a/b/c.json", 2, "0" * 16)},
+            tensors={},
+            skeleton={},
+            version=version,
+        )
+        return dump_manifest(m)
+
+    with pytest.raises(CheckpointCorruptError, match="deeper than 1 subdirectories"):
+        parse_manifest(manifest(2), "m")
+    assert list(parse_manifest(manifest(3), "m").files) == ["a/b/c.json"]
+
+
+def test_the_dcp_directories_are_those_their_saver_wrote() -> None:
+    def manifest(layout: str, names: list[str]) -> Manifest:
+        files = {n: FileRecord(n, 1, "0" * 16) for n in names}
+        return Manifest(files=files, tensors={}, skeleton={}, layout=layout, version=3)
+
+    hooked = ["notes/.metadata", "ema/dcp/.metadata", "ema/dcp/__0_0.distcp"]
+    fsdp = ["optimizer_0/.metadata", "optimizer_0/aiopersist.json", "optimizer_0/__0_0.distcp"]
+    assert dcp_directories(manifest("fsdp", [*fsdp, *hooked, "trainer_state.json"])) == ["optimizer_0"]
+    assert dcp_directories(manifest("dcp", [".metadata", "__0_0.distcp"])) == [""]
+    assert dcp_directories(manifest("hf-model", ["model.safetensors", *hooked])) == []
 
 
 def test_member_directories_lists_every_directory_parents_first() -> None:
