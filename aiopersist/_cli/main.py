@@ -442,11 +442,13 @@ def _document(target: str, kind: str, **fields: Any) -> dict[str, Any]:
 
 def _describe_manifest(target: str, m: Manifest, places: Sequence[str]) -> dict[str, Any]:
     from .._locate import file_problem
+    from .._names import MANIFEST_NAME
     from .._skeleton import refs
 
     files = []
     for rec in m.files.values():
-        problem = file_problem(os.path.join(places[rec.directory], rec.name), rec.nbytes)
+        place = places[rec.directory]
+        problem = file_problem(os.path.join(place, rec.name), rec.nbytes, root=place)
         files.append({"name": rec.name, "bytes": rec.nbytes, "checksum": rec.checksum, "problem": problem})
 
     # The tensors in the order the saved object holds them (the skeleton's order), each
@@ -517,7 +519,13 @@ def _describe_manifest(target: str, m: Manifest, places: Sequence[str]) -> dict[
     elif m.layout == "fsdp":
         # Each torch.distributed.checkpoint subdirectory's tensors (their names carry the
         # subdirectory's own prefix: model., optimizer.).
-        rows = [row for sub in dcp_directories(m) for row in _dcp_rows(os.path.join(target, sub))]
+        # Only those that are directories of their own: a link is reported, not followed.
+        subs = [
+            d
+            for d in dcp_directories(m)
+            if file_problem(os.path.join(target, d, MANIFEST_NAME), root=target) is None
+        ]
+        rows = [row for sub in subs for row in _dcp_rows(os.path.join(target, sub))]
     return _document(
         target,
         "aiopersist",

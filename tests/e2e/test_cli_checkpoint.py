@@ -214,6 +214,18 @@ def test_verify_and_inspect_take_a_file_named_metadata_for_a_file(tmp_path: Path
     assert "deeper/still/.metadata" in proc.stdout
 
 
+def test_inspect_reports_a_subdirectory_replaced_by_a_link_without_following_it(tmp_path: Path) -> None:
+    from aiopersist._cli.main import describe
+
+    ck = tmp_path / "ck"
+    aiopersist.save_sync({"w": torch.ones(3)}, ck, extra_files={"sub/deeper/x.json": b"{}"})
+    os.rename(ck / "sub", tmp_path / "outside")
+    os.symlink(tmp_path / "outside", ck / "sub")
+    files = {f["name"]: f for f in describe(ck)["files"]}
+    assert files["sub/deeper/x.json"]["problem"] == "sub is a symbolic link, not a subdirectory"
+    assert files["model.safetensors"]["problem"] is None
+
+
 def test_verify_missing_path(tmp_path: Path) -> None:
     proc = _cli("verify", str(tmp_path / "missing"))
     assert proc.returncode == 1
