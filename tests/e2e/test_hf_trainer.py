@@ -528,7 +528,7 @@ def test_a_training_that_raises_finishes_its_save_before_the_error_leaves_train(
     real = stream._copy_all_jobs
 
     def slow(jobs: Any) -> None:
-        time.sleep(0.05)
+        time.sleep(0.01)
         real(jobs)
 
     monkeypatch.setattr(stream, "_copy_all_jobs", slow)
