@@ -13,10 +13,12 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import fcntl
 import logging
 import math
 import mmap
 import os
+import stat
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,15 +179,48 @@ def probe_file_for_read(path: str | os.PathLike[str]) -> DirectIOInfo:
     if dev in _cache:
         return dataclasses.replace(_cache[dev], directory=directory)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | O_DIRECT)
+        fd = open_regular(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | O_DIRECT)
     except OSError as exc:
         if exc.errno != errno.EINVAL or not O_DIRECT:
             raise from_os_error(exc, "open", name) from exc
-        return _refused_at_open(directory)
+        return _refused_at_open(directory)  # no O_DIRECT here (or not a regular file: refused at the read)
+    if fd is None:
+        return _refused_at_open(directory)  # not a regular file: the read refuses it
     try:
         return _probe_fd(fd, name, directory, write=False)
     finally:
         os.close(fd)
+
+
+def open_regular(name: str, flags: int) -> int | None:
+    """``os.open(name, flags)`` for reading a file a checkpoint lists, never blocking on
+    what is not a regular file (a FIFO swapped in after the checks would wait for a writer
+    for ever): opened with ``O_NONBLOCK``, which is cleared once the file is known to be
+    regular. ``None`` (nothing left open) when it is not one. Where a lease held by
+    another process (an NFS delegation, an SMB oplock) makes the non-blocking open fail
+    with ``EWOULDBLOCK``, a regular file is opened again, waiting for the lease as a plain
+    open does."""
+    try:
+        fd = os.open(name, flags | os.O_NONBLOCK)
+    except BlockingIOError:
+        if not stat.S_ISREG(os.lstat(name).st_mode):
+            return None
+        fd = os.open(name, flags)
+    return fd if keep_if_regular(fd) else None
+
+
+def keep_if_regular(fd: int) -> bool:
+    """``True``, with ``O_NONBLOCK`` cleared, when ``fd`` is a regular file; else ``False``,
+    and ``fd`` is closed."""
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            return True
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return False
 
 
 HUGE_PAGE_SIZE = 2 << 20

@@ -34,7 +34,7 @@ from ._manifest import FileRecord, Manifest, RankState, new_hasher
 from ._readplan import FileRead, ReadPlan, Span, check_tiling, plan_read, plan_safetensors, plan_verify
 from ._skeleton import decode
 from ._staging import StagingPool
-from ._stream import files_at_once, read_segments, run_all, settle
+from ._stream import files_at_once, open_for_read, read_segments, run_all, settle
 from ._workers import DaemonThreadPool
 
 Progress = Callable[[int], None]
@@ -372,7 +372,7 @@ def _unpickle(raw: torch.Tensor, where: str) -> list[object]:
 
 async def _read_header(be: IOBackend, path: str, size: int) -> FileLayout:
     """Read and check a safetensors file's header."""
-    fd = await be.open(path, READ_FLAGS)
+    fd = await open_for_read(be, path, READ_FLAGS)
     try:
         prefix = bytearray(8)
         got = await be.read(fd, prefix, 0)
@@ -538,7 +538,7 @@ async def _hash_file(
     ``progress`` hears of each window once it is hashed."""
     hasher = new_hasher()
     window = pool.buffer_bytes
-    fd = await be.open(path, READ_FLAGS | dio.open_flags)
+    fd = await open_for_read(be, path, READ_FLAGS | dio.open_flags)
     try:
 
         async def window_at(pos: int) -> tuple[Any, int]:

@@ -27,7 +27,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._direct import DirectIOInfo, probe_file_for_read
+from ._direct import DirectIOInfo, open_regular, probe_file_for_read
 from ._exceptions import AiopersistError, CheckpointCorruptError, CheckpointNotFoundError, from_os_error
 from ._manifest import (
     MAX_MANIFEST_BYTES,
@@ -138,7 +138,9 @@ def read_small(path: str, limit: int) -> bytes:
     """A small file (manifest, index) read whole: a regular file, not a link, at most
     ``limit`` bytes. Opened without blocking (a FIFO cannot hang it) or following links."""
     try:
-        fd = os.open(path, READ_FLAGS | os.O_NONBLOCK)
+        fd = open_regular(path, READ_FLAGS)
+        if fd is None:
+            raise CheckpointCorruptError(f"{path}: {_kind_of(os.lstat(path).st_mode)}, not a regular file")
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file") from None
     except OSError as exc:
@@ -146,9 +148,6 @@ def read_small(path: str, limit: int) -> bytes:
             raise CheckpointCorruptError(f"{path}: a symbolic link, not a regular file") from None
         raise from_os_error(exc, "open", path) from exc
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise CheckpointCorruptError(f"{path}: {_kind_of(mode)}, not a regular file")
         chunks = []
         total = 0
         while total <= limit:

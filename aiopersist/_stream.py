@@ -13,7 +13,7 @@ import asyncio
 import bisect
 import contextlib
 import contextvars
-import fcntl
+import errno
 import itertools
 import os
 import stat
@@ -24,7 +24,7 @@ import torch
 
 from ._backends import IOBackend
 from ._backends._base import Buffer, to_thread_to_the_end
-from ._direct import AlignedBuffer, DirectIOInfo, copy_bytes
+from ._direct import AlignedBuffer, DirectIOInfo, copy_bytes, keep_if_regular
 from ._exceptions import CheckpointCorruptError, CheckpointIOError, from_os_error
 from ._staging import StagingPool
 
@@ -605,13 +605,39 @@ def files_at_once() -> asyncio.Semaphore:
     return asyncio.Semaphore(FILES_AT_ONCE)
 
 
-def _refuse_if_not_regular(name: str) -> None:
+async def open_for_read(backend: IOBackend, name: str, flags: int) -> int:
+    """Open a file a checkpoint lists for reading through ``backend``, never through a
+    link (``flags`` hold ``O_NOFOLLOW``) and never blocking on what is not a regular file:
+    the checks before a read found one, but it may have been swapped for a FIFO since,
+    whose open would wait for a writer for ever. As `open_regular`: ``O_NONBLOCK`` until
+    the file is known to be regular (io_uring would answer ``EAGAIN`` to reads rather
+    than wait), and a plain open again where a lease makes it fail with ``EWOULDBLOCK``.
+    `CheckpointCorruptError` for anything but a regular file."""
+
+    def refused() -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"{name}: not a regular file (it changed since it was checked)")
+
+    def regular() -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(name).st_mode)
+        except OSError:
+            return True  # gone, or unreadable: the open's own error says so
+
     try:
-        mode = os.lstat(name).st_mode
-    except OSError:
-        return
-    if not stat.S_ISREG(mode):
-        raise CheckpointCorruptError(f"{name}: not a regular file (it changed since it was checked)")
+        fd = await backend.open(name, flags | os.O_NONBLOCK)
+    except CheckpointIOError as exc:
+        if not regular():
+            raise refused() from None  # a FIFO under O_DIRECT fails with EINVAL
+        if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+            raise
+        fd = await backend.open(name, flags)  # a lease: wait for it, as a plain open does
+    try:
+        ok = keep_if_regular(fd)
+    except OSError as exc:
+        raise from_os_error(exc, "fstat", name) from exc
+    if not ok:
+        raise refused()
+    return fd
 
 
 async def read_segments(
@@ -656,25 +682,12 @@ async def read_segments(
     align = dio.offset_align if dio.direct else 1
     windows = _plan_windows([(off, off + d.numel()) for off, d in staged], align, window)
 
-    # Never through a link, and never blocking in the open: a checkpoint's files are
-    # regular files (checked when located), but one may have been swapped for a FIFO
-    # since, whose open would wait for a writer for ever. O_NONBLOCK is cleared once the
-    # file is known to be regular (io_uring would answer EAGAIN rather than wait for it).
-    try:
-        fd = await backend.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | dio.open_flags)
-    except CheckpointIOError:
-        _refuse_if_not_regular(name)  # O_DIRECT on a FIFO fails with EINVAL
-        raise
+    fd = await open_for_read(backend, name, os.O_RDONLY | os.O_NOFOLLOW | dio.open_flags)
     try:
         try:
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode):
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            size = os.fstat(fd).st_size
         except OSError as exc:
             raise from_os_error(exc, "fstat", name) from exc
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointCorruptError(f"{name}: not a regular file (it changed since it was checked)")
-        size = st.st_size
         if last > size:
             raise CheckpointCorruptError(f"{name}: file is truncated ({size} bytes, data needs {last})")
 

@@ -302,3 +302,57 @@ def test_verify_reads_dcp_metadata_as_a_load_does(tmp_path: Path) -> None:
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "corrupt:" in bad.stdout
     assert "storage_meta is a str" in bad.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_a_data_file_swapped_for_a_fifo_after_the_metadata_never_hangs_the_load(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    """The data file becomes a FIFO after ``read_metadata``: the reader's probe of the file
+    and its reads refuse it at once (a writer opens the FIFO after 10 s on a regression,
+    so that the test fails rather than hangs)."""
+    import threading
+    import time
+
+    from aiopersist import _direct
+
+    if not direct:
+        monkeypatch.setenv("AIOPERSIST_DIRECT_IO", "0")
+    ck = tmp_path / "ck"
+    dcp.save(
+        {"w": torch.randn(1 << 16)},
+        checkpoint_id=str(ck),
+        storage_writer=AiopersistWriter(backend=backend_name),
+    )
+    monkeypatch.setattr(_direct, "_cache", {})  # as in a fresh process: the file itself is probed
+    victim = ck / "__0_0.distcp"
+
+    class Swapping(AiopersistReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = super().read_metadata(*args, **kwargs)
+            victim.unlink()
+            os.mkfifo(victim)
+            return metadata
+
+    stop = threading.Event()
+
+    def unblock() -> None:
+        if not stop.wait(10):
+            fd = os.open(victim, os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b"x" * 64)
+            os.close(fd)
+
+    threading.Thread(target=unblock, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(BaseException, match="not a regular file") as info:
+            dcp.load(
+                {"w": torch.zeros(1 << 16)},
+                checkpoint_id=str(ck),
+                storage_reader=Swapping(backend=backend_name),
+            )
+    finally:
+        stop.set()
+    assert "CheckpointCorruptError" in str(info.value)  # in DCP's CheckpointException
+    assert time.monotonic() - t0 < 10

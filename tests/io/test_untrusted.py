@@ -297,6 +297,89 @@ async def test_a_file_swapped_for_a_fifo_after_the_checks_never_hangs_the_read(
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("act", ["load", "verify"])
+async def test_load_and_verify_never_hang_on_a_fifo_swapped_in_after_locate(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool, act: str
+) -> None:
+    """The whole path of a load and of a verify (headers, hashing, reads): the data file
+    becomes a FIFO right after locate has checked it. Each refuses it at once (a writer
+    opens the FIFO after 10 s on a regression, so the test fails rather than hangs)."""
+    import threading
+    import time
+
+    from aiopersist import _load
+
+    if not direct:
+        monkeypatch.setenv("AIOPERSIST_DIRECT_IO", "0")
+    ckpt = await _checkpoint(tmp_path / "c", backend_name)
+    victim = ckpt / "state.safetensors"
+    real = _load.locate
+
+    def swapped(path: Any) -> Any:
+        found = real(path)
+        victim.unlink()
+        os.mkfifo(victim)
+        return found
+
+    monkeypatch.setattr(_load, "locate", swapped)
+    stop = threading.Event()
+
+    def unblock() -> None:
+        if not stop.wait(10):
+            fd = os.open(victim, os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b"x" * 64)
+            os.close(fd)
+
+    threading.Thread(target=unblock, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(aiopersist.CheckpointCorruptError, match="not a regular file"):
+            await getattr(aiopersist, act)(ckpt, backend=backend_name)
+    finally:
+        stop.set()
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.timeout(60)
+async def test_a_file_under_a_lease_is_read_once_the_lease_is_given_up(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """Another process holds a write lease on the data file (as an NFS server's delegation
+    or Samba's oplocks do): the reads' non-blocking opens must not turn the wait for the
+    lease into a failure; the load waits until the holder gives it up."""
+    import sys
+    import time
+
+    ckpt = await _checkpoint(tmp_path / "c", backend_name)
+    data = ckpt / "state.safetensors"
+    script = (
+        "import fcntl, os, signal, sys, time\n"
+        f"fd = os.open({str(data)!r}, os.O_RDWR)\n"
+        "def give_up(*_):\n"
+        "    time.sleep(0.5)\n"
+        "    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)\n"
+        "signal.signal(signal.SIGIO, give_up)\n"
+        "fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None
+        assert (await holder.stdout.readline()).strip() == b"held"
+        t0 = time.monotonic()
+        loaded = await aiopersist.load(ckpt, backend=backend_name)
+        assert time.monotonic() - t0 >= 0.4  # it waited for the lease
+        assert torch.equal(loaded["model"]["w"], _state()["model"]["w"])
+    finally:
+        holder.kill()
+        await holder.wait()
+
+
 # -- sizes, shapes and offsets ----------------------------------------------------------------
 
 
