@@ -224,6 +224,9 @@ def test_an_existing_checkpoint_is_kept_unless_overwrite(backend_name: str, tmp_
         storage_writer=AiopersistWriter(overwrite=True, backend=backend_name),
     )
     assert _same(_load(ck, AiopersistReader()), _state(1))
+    from aiopersist.integrations.dcp import _wait_deletions
+
+    _wait_deletions()  # the old one goes in the background
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # the old one went, and no temp
 
 
@@ -243,6 +246,9 @@ def test_a_full_disk_fails_the_save_and_keeps_the_old_checkpoint(backend_name: s
     # the same writer's next save removes it.
     assert [p.name for p in small_fs.iterdir() if ".aiopersist-tmp-" in p.name]
     dcp.save({"model": {"w": torch.ones(100) * 3}, "step": 3}, checkpoint_id=str(ck), storage_writer=writer)
+    from aiopersist.integrations.dcp import _wait_deletions
+
+    _wait_deletions()  # the checkpoint it replaced is deleted in the background
     assert sorted(p.name for p in small_fs.iterdir()) == ["ck"]
 
 
