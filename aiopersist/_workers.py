@@ -12,8 +12,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import gc
+import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -53,6 +55,15 @@ class DaemonThreadPool(concurrent.futures.ThreadPoolExecutor):
         self._idle = 0
         self._guard = threading.Lock()
         self._stopped = False
+        _pools.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's workers do not exist here, and the jobs queued
+        in the parent are the parent's. Start afresh (as if no thread had been made)."""
+        self._jobs = queue.SimpleQueue()
+        self._workers = []
+        self._idle = 0
+        self._guard = threading.Lock()
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -101,6 +112,16 @@ class DaemonThreadPool(concurrent.futures.ThreadPoolExecutor):
                 if worker is not threading.current_thread():
                     worker.join()
 
+
+_pools: weakref.WeakSet[DaemonThreadPool] = weakref.WeakSet()
+
+
+def _reset_pools_in_child() -> None:
+    for pool in list(_pools):
+        pool._after_fork()
+
+
+os.register_at_fork(after_in_child=_reset_pools_in_child)
 
 _gc_lock = threading.Lock()
 _gc_holders = 0

@@ -74,6 +74,22 @@ def mounted_tmpfs(where: Path, *options: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+@contextlib.contextmanager
+def bind_mounted(source: Path, where: Path) -> Iterator[Path]:
+    """``source`` bind-mounted at ``where`` (root only): the same file system and device
+    number, but a rename across it fails with ``EXDEV``."""
+    if not IS_ROOT:
+        pytest.skip("a bind mount needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "--bind", str(source), str(where)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {proc.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB file system that fills up fast."""

@@ -54,6 +54,7 @@ import logging
 import os
 import random
 import re
+import tempfile
 import weakref
 from typing import Any, cast
 
@@ -66,7 +67,7 @@ from .._checkpointer import Checkpointer, SaveHandle
 from .._commit import make_directories, remove_path
 from .._dist import background_group, coordinator, process0_group
 from .._exceptions import CheckpointExistsError
-from .._names import TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
+from .._names import PROBE_PREFIX, TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
 from .._save import SaveInfo, TorchSave
 from ._common import delete_checkpoints, files_written_by, gather_objects, torch_bytes
 from ._fsdp import ShardedSave, ShardedSaver, check_plugin, fsdp_states
@@ -109,33 +110,68 @@ def _work_outside_checkpoints(accelerator: Any) -> None:
     loads the one with the highest number, the rotation counts and deletes them), so a
     save in flight or killed must leave nothing there. The first time in a process,
     process 0 removes what interrupted saves and deletions left in `WORK_PLACE`, before the
-    barrier of `_target` (no process stages anything there before it). Where
-    ``checkpoints/`` is on another file system than the project directory, the work stays
-    beside the checkpoints, as the docs say."""
+    barrier of `_target` (no process stages anything there before it).
+
+    Only where a directory made there can be renamed into ``checkpoints/``: not when
+    ``checkpoints/`` is another file system or mount point (a bind mount of the same disk
+    has the same device number, and still refuses the rename with ``EXDEV``), nor when
+    the project directory cannot be written. There the work stays beside the checkpoints,
+    with a warning, as the docs say."""
     config = accelerator.project_configuration
     if not config.automatic_checkpoint_naming:
         return
-    base = os.path.join(accelerator.project_dir, "checkpoints")
-    place = os.path.join(accelerator.project_dir, WORK_PLACE)
-    if work_place(base) == os.path.abspath(place):
+    base = os.path.abspath(os.path.join(accelerator.project_dir, "checkpoints"))
+    place = os.path.abspath(os.path.join(accelerator.project_dir, WORK_PLACE))
+    if work_place(base) == place or base in _beside:
         return
     make_directories(base)
-    make_directories(place)
-    if os.stat(base).st_dev != os.stat(place).st_dev:
+    try:
+        make_directories(place)
+        if accelerator.is_main_process:
+            _remove_leftovers(place, base)
+        _probe_rename(place, base)
+    except OSError as exc:
+        _beside.add(base)
         log.warning(
-            "aiopersist: %s and %s are on different file systems: temporary directories stay in %s",
+            "aiopersist: the work in progress of the checkpoints in %s cannot be done in %s (%s): "
+            "their temporary directories stay beside them, where a stock load_state() may take one "
+            "that a killed save left for a checkpoint",
             base,
             place,
-            base,
+            exc,
         )
         return
-    if accelerator.is_main_process:
-        leftovers = [n for n in os.listdir(place) if any(m in n for m in (TMP_MARKER, TRASH_MARKER))]
-        for name in leftovers:
-            remove_path(os.path.join(place, name))
-        if leftovers:
-            log.info("aiopersist: removed %d leftovers of interrupted saves from %s", len(leftovers), place)
     work_elsewhere(base, place)
+
+
+_beside: set[str] = set()
+"""``checkpoints/`` directories whose work stays beside them (`_work_outside_checkpoints`)."""
+
+
+def _remove_leftovers(place: str, base: str) -> None:
+    """What interrupted saves, deletions and probes left in ``place`` (and probes in
+    ``base``)."""
+    leftovers = [
+        os.path.join(place, n) for n in os.listdir(place) if any(m in n for m in (TMP_MARKER, TRASH_MARKER))
+    ]
+    leftovers += [os.path.join(base, n) for n in os.listdir(base) if n.startswith(PROBE_PREFIX)]
+    for path in leftovers:
+        remove_path(path)
+    if leftovers:
+        log.info("aiopersist: removed %d leftovers of interrupted saves from %s", len(leftovers), place)
+
+
+def _probe_rename(place: str, base: str) -> None:
+    """Rename a fresh directory from ``place`` into ``base`` (and remove it): the
+    ``OSError`` of a rename that cannot be done."""
+    probe = tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=place)
+    moved = os.path.join(base, os.path.basename(probe))
+    try:
+        os.rename(probe, moved)
+    except OSError:
+        os.rmdir(probe)
+        raise
+    os.rmdir(moved)
 
 
 def _outdated(accelerator: Any) -> list[str]:

@@ -60,6 +60,7 @@ import io
 import logging
 import math
 import os
+import pathlib
 import pickle
 import pickletools
 import struct
@@ -172,6 +173,16 @@ def _wait_deletions(timeout: float | None = None) -> None:
 
 
 atexit.register(lambda: _wait_deletions(_knobs.exit_grace()))
+
+
+def _forget_deletions_in_child() -> None:
+    """In a forked child the parent's deletions are the parent's: nothing to wait for."""
+    global _deleting_lock
+    _deleting.clear()
+    _deleting_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_deletions_in_child)
 
 
 def _on_engine(make: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
@@ -1072,11 +1083,13 @@ class _MetadataUnpickler(pickle.Unpickler):
             or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
             or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
             or (module == "torch.serialization" and name == "_get_layout")
-            or (module in ("pathlib", "pathlib._local") and name in _PATHS)  # _local: Python 3.13
+            or (module in ("pathlib", "pathlib._local") and name in _PATHS)
             or (module == "collections" and name == "OrderedDict")
         )
         if not allowed:
             raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+        if module == "pathlib._local":  # Python 3.13 pickles its paths so; any Python reads them
+            return getattr(pathlib, name)
         return super().find_class(module, name)
 
 

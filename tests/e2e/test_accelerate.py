@@ -6,6 +6,7 @@ automatic checkpoint naming."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -424,3 +425,38 @@ def test_a_save_killed_with_automatic_naming_leaves_nothing_that_load_state_take
         save_state_blocking(accelerator, checkpointer=ck).wait()
     assert os.listdir(staging) == []  # the leftovers are gone
     assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_0", "checkpoint_1"]
+
+
+@pytest.mark.parametrize("layout", ["bind-mount", "read-only-project"])
+def test_automatic_naming_where_the_staging_place_cannot_be_used_saves_beside(
+    tmp_path: Path, layout: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``checkpoints/`` a bind mount of a directory of the same disk (same device number,
+    yet a rename into it fails with ``EXDEV``), or a writable mount in a project directory
+    that cannot be written: the saves work as stock ones do, their work in progress beside
+    the checkpoints, with a warning."""
+    import subprocess as sp
+
+    from tests.conftest import bind_mounted, mounted_tmpfs
+
+    project = tmp_path / "project"
+    with contextlib.ExitStack() as stack:
+        if layout == "bind-mount":
+            (tmp_path / "volume").mkdir()
+            stack.enter_context(bind_mounted(tmp_path / "volume", project / "checkpoints"))
+        else:
+            stack.enter_context(mounted_tmpfs(project, "size=4m"))
+            stack.enter_context(mounted_tmpfs(project / "checkpoints", "size=16m"))
+            sp.run(["mount", "-o", "remount,ro", str(project)], check=True)
+        config = ProjectConfiguration(str(project), automatic_checkpoint_naming=True, total_limit=2)
+        accelerator, model, opt, sched = _setup(config)
+        with aiopersist.BlockingCheckpointer() as ck, caplog.at_level("WARNING", logger="aiopersist"):
+            for _ in range(3):
+                _step(model, opt, sched)
+                save_state_blocking(accelerator, checkpointer=ck).wait()
+        saved = _state(model, opt)
+        assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]
+        assert "stay beside them" in caplog.text
+        _step(model, opt, sched)
+        accelerator.load_state()
+        _assert_restored(model, opt, saved)

@@ -6,6 +6,7 @@ values, or memory sized by a claim."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import os
 import pickle
@@ -356,3 +357,79 @@ def test_a_data_file_swapped_for_a_fifo_after_the_metadata_never_hangs_the_load(
         stop.set()
     assert "CheckpointCorruptError" in str(info.value)  # in DCP's CheckpointException
     assert time.monotonic() - t0 < 10
+
+
+def test_paths_pickled_by_python_3_13_are_read_on_any_python() -> None:
+    """Python 3.13 pickles a ``Path`` as ``pathlib._local.PosixPath`` (DCP's storage_meta
+    holds one): the metadata unpickler reads it on Pythons that have no such module."""
+    import io
+
+    from aiopersist.integrations.dcp import _MetadataUnpickler
+
+    raw = pickle.dumps(Path("/runs/ck"), protocol=2)  # no frames: the name can be edited
+    as_313 = raw.replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n")
+    assert as_313 != raw
+    assert _MetadataUnpickler(io.BytesIO(as_313)).load() == Path("/runs/ck")
+
+
+_FORK_AFTER_OVERWRITE = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import torch, torch.distributed.checkpoint as dcp
+from aiopersist.integrations import dcp as aio_dcp
+
+real = aio_dcp.remove_path
+
+
+def slow(path):  # a deletion as slow as a large checkpoint's
+    time.sleep(3)
+    real(path)
+
+
+aio_dcp.remove_path = slow
+for seed in range(2):  # the second replaces the first: its deletion is pending
+    w = aio_dcp.AiopersistWriter(overwrite=True, backend={b!r})
+    dcp.save({{"w": torch.ones(64) * seed}}, checkpoint_id={ck!r}, storage_writer=w)
+pid = os.fork()
+if pid == 0:
+    t0 = time.monotonic()
+    w = aio_dcp.AiopersistWriter(backend={b!r})  # the engine's threads are the parent's
+    dcp.save({{"w": torch.ones(64)}}, checkpoint_id={ck!r} + "-child", storage_writer=w)
+    print("child saved", round(time.monotonic() - t0, 2), flush=True)
+    sys.exit(0)
+t0 = time.monotonic()
+os.waitpid(pid, 0)
+print("child exited", round(time.monotonic() - t0, 2), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_child_forked_with_a_deletion_pending_saves_and_exits_at_once(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A process forked while the background deletion of a replaced checkpoint is
+    pending: the child's own DCP save runs (the engine's worker threads were the
+    parent's), and its exit does not wait for the parent's deletion."""
+    root = str(Path(__file__).resolve().parents[2])
+    script = _FORK_AFTER_OVERWRITE.format(root=root, ck=str(tmp_path / "ck"), b=backend_name)
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a hung child goes with its parent
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    lines = dict(line.rsplit(" ", 1) for line in out.splitlines())
+    assert float(lines["child saved"]) < 2.5
+    assert float(lines["child exited"]) < 2.5  # not the parent's 3 s deletion, nor the exit grace
+    assert (tmp_path / "ck-child" / ".metadata").is_file()
