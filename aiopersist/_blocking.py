@@ -169,6 +169,16 @@ def _register_exit_hook() -> None:
     atexit.register(_close_open_facades)
 
 
+def _forget_facades_in_child() -> None:
+    """In a forked child the parent's facades are the parent's: their event-loop threads
+    do not exist here, and closing them at exit would wait out the exit grace for
+    nothing."""
+    _open_facades.clear()
+
+
+os.register_at_fork(after_in_child=_forget_facades_in_child)
+
+
 def _close_open_facades() -> None:
     for facade in list(_open_facades):
         facade._close_at_exit(_knobs.exit_grace())

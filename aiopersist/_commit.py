@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Sequence
@@ -64,6 +65,28 @@ def make_directories(path: str) -> None:
             raise from_os_error(exc, "mkdir", directory) from exc
         # Also when another process made it meanwhile: it may not have flushed it yet.
         fsync_directory(os.path.dirname(directory))
+
+
+def mount_of(path: str) -> str:
+    """The mount point of the mount holding the directory ``path`` (its real path), from
+    ``/proc/self/mountinfo``: two directories can be renamed one into the other only on
+    the same mount (a bind mount of a directory of the same disk has the same device
+    number, and a rename across it still fails with ``EXDEV``). An ``OSError`` where the
+    mounts cannot be read."""
+    real = os.path.realpath(path)
+    best = ""
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split(" ")
+            if len(fields) < 5:
+                continue
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            inside = real == point or real.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best = point  # the last of equal ones is on top
+    if not best:
+        raise OSError(errno.ENOENT, "no mount holds it", path)
+    return best
 
 
 RENAME_NOREPLACE = 1

@@ -116,16 +116,26 @@ class DaemonThreadPool(concurrent.futures.ThreadPoolExecutor):
 _pools: weakref.WeakSet[DaemonThreadPool] = weakref.WeakSet()
 
 
-def _reset_pools_in_child() -> None:
-    for pool in list(_pools):
-        pool._after_fork()
-
-
-os.register_at_fork(after_in_child=_reset_pools_in_child)
-
 _gc_lock = threading.Lock()
 _gc_holders = 0
 _gc_restore = False
+
+
+def _reset_in_child() -> None:
+    """In a forked child: the parent's worker threads, and the `gc_paused` sections its
+    other threads were in, do not go on here. The pools start afresh, and the collector
+    is as it was before the first pause (a child forked during one kept it off for good)."""
+    global _gc_lock, _gc_holders
+    for pool in list(_pools):
+        pool._after_fork()
+    _gc_lock = threading.Lock()
+    if _gc_holders:
+        _gc_holders = 0
+        if _gc_restore:
+            gc.enable()
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
 
 
 @contextlib.contextmanager

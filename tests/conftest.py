@@ -57,19 +57,22 @@ def io_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 @contextlib.contextmanager
 def mounted_tmpfs(where: Path, *options: str) -> Iterator[Path]:
     """A real small file system for disk-full and read-only tests (root only)."""
-    if not IS_ROOT:
-        pytest.skip("mounting a small file system needs root")
-    where.mkdir(parents=True, exist_ok=True)
     opts = ",".join(options)
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", opts, f"aiopersist-test-{uuid.uuid4().hex[:8]}", str(where)],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs here: {proc.stderr.strip()}")
-    try:
+    with _mounted(["-t", "tmpfs", "-o", opts, f"aiopersist-test-{uuid.uuid4().hex[:8]}"], where, "tmpfs"):
         yield where
+
+
+@contextlib.contextmanager
+def _mounted(args: list[str], where: Path, what: str) -> Iterator[None]:
+    """``mount ARGS WHERE`` for the block (root only; skipped where it cannot be done)."""
+    if not IS_ROOT:
+        pytest.skip(f"mounting {what} needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", *args, str(where)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount {what} here: {proc.stderr.strip()}")
+    try:
+        yield
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False)
 
@@ -78,16 +81,8 @@ def mounted_tmpfs(where: Path, *options: str) -> Iterator[Path]:
 def bind_mounted(source: Path, where: Path) -> Iterator[Path]:
     """``source`` bind-mounted at ``where`` (root only): the same file system and device
     number, but a rename across it fails with ``EXDEV``."""
-    if not IS_ROOT:
-        pytest.skip("a bind mount needs root")
-    where.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "--bind", str(source), str(where)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot bind-mount here: {proc.stderr.strip()}")
-    try:
+    with _mounted(["--bind", str(source)], where, "a bind mount"):
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 @pytest.fixture
@@ -102,6 +97,27 @@ def readonly_fs(tmp_path: Path) -> Iterator[Path]:
     """A read-only file system: even root cannot create files there."""
     with mounted_tmpfs(tmp_path / "ro", "ro", "size=1m") as p:
         yield p
+
+
+@contextlib.contextmanager
+def fifo_opened_after(fifo: Path, seconds: float = 10.0) -> Iterator[None]:
+    """Within the block, a thread opens ``fifo`` for writing after ``seconds`` (and writes a
+    few bytes), unless the block has ended: a test of code that must never block opening
+    a FIFO then fails on a regression, instead of hanging. Assert that the block took
+    less than ``seconds``."""
+    stop = threading.Event()
+
+    def unblock() -> None:
+        if not stop.wait(seconds):
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b"x" * 64)
+            os.close(fd)
+
+    threading.Thread(target=unblock, daemon=True).start()
+    try:
+        yield
+    finally:
+        stop.set()
 
 
 class Gate:

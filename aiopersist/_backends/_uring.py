@@ -16,7 +16,7 @@ import functools
 import itertools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,6 +241,9 @@ class UringBackend(IOBackend):
             "io_uring openat",
             name,
             discard=os.close,
+            # With O_NONBLOCK, EAGAIN is the answer (a lease held elsewhere): retrying it
+            # would spin a core until the lease goes.
+            retry=_RETRY - {errno.EAGAIN} if flags & os.O_NONBLOCK else _RETRY,
         )
         self._names[fd] = name
         return fd
@@ -256,12 +259,13 @@ class UringBackend(IOBackend):
         call: str,
         filename: str | None,
         discard: Callable[[int], object] | None = None,
+        retry: Collection[int] = _RETRY,
     ) -> int:
         while True:
             try:
                 return await self._submit(prep, call, filename, discard)
             except CheckpointIOError as exc:
-                if exc.errno not in _RETRY:
+                if exc.errno not in retry:
                     raise
 
     # -- teardown ----------------------------------------------------------------------------

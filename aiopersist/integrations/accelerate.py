@@ -50,11 +50,11 @@ raise `ValueError`.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import random
 import re
-import tempfile
 import weakref
 from typing import Any, cast
 
@@ -64,10 +64,10 @@ import torch
 from .. import _knobs
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Checkpointer, SaveHandle
-from .._commit import make_directories, remove_path
+from .._commit import make_directories, mount_of, remove_path
 from .._dist import background_group, coordinator, process0_group
 from .._exceptions import CheckpointExistsError
-from .._names import PROBE_PREFIX, TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
+from .._names import TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
 from .._save import SaveInfo, TorchSave
 from ._common import delete_checkpoints, files_written_by, gather_objects, torch_bytes
 from ._fsdp import ShardedSave, ShardedSaver, check_plugin, fsdp_states
@@ -112,11 +112,12 @@ def _work_outside_checkpoints(accelerator: Any) -> None:
     process 0 removes what interrupted saves and deletions left in `WORK_PLACE`, before the
     barrier of `_target` (no process stages anything there before it).
 
-    Only where a directory made there can be renamed into ``checkpoints/``: not when
-    ``checkpoints/`` is another file system or mount point (a bind mount of the same disk
-    has the same device number, and still refuses the rename with ``EXDEV``), nor when
-    the project directory cannot be written. There the work stays beside the checkpoints,
-    with a warning, as the docs say."""
+    Only where a directory made there can be renamed into ``checkpoints/``: both on the
+    same mount (a bind mount of the same disk has the same device number, and still
+    refuses the rename with ``EXDEV``), and the project directory writable. Nothing is
+    tried in ``checkpoints/`` to find out (a kill would leave it there for a stock
+    ``load_state()`` to take): the mounts are read from ``/proc/self/mountinfo``.
+    Elsewhere the work stays beside the checkpoints, with a warning, as the docs say."""
     config = accelerator.project_configuration
     if not config.automatic_checkpoint_naming:
         return
@@ -127,9 +128,9 @@ def _work_outside_checkpoints(accelerator: Any) -> None:
     make_directories(base)
     try:
         make_directories(place)
-        if accelerator.is_main_process:
-            _remove_leftovers(place, base)
-        _probe_rename(place, base)
+        base_mount, place_mount = mount_of(base), mount_of(place)
+        if base_mount != place_mount:
+            raise OSError(errno.EXDEV, f"another mount ({base_mount} and {place_mount})")
     except OSError as exc:
         _beside.add(base)
         log.warning(
@@ -141,6 +142,8 @@ def _work_outside_checkpoints(accelerator: Any) -> None:
             exc,
         )
         return
+    if accelerator.is_main_process:
+        _remove_leftovers(place)
     work_elsewhere(base, place)
 
 
@@ -148,30 +151,13 @@ _beside: set[str] = set()
 """``checkpoints/`` directories whose work stays beside them (`_work_outside_checkpoints`)."""
 
 
-def _remove_leftovers(place: str, base: str) -> None:
-    """What interrupted saves, deletions and probes left in ``place`` (and probes in
-    ``base``)."""
-    leftovers = [
-        os.path.join(place, n) for n in os.listdir(place) if any(m in n for m in (TMP_MARKER, TRASH_MARKER))
-    ]
-    leftovers += [os.path.join(base, n) for n in os.listdir(base) if n.startswith(PROBE_PREFIX)]
-    for path in leftovers:
-        remove_path(path)
+def _remove_leftovers(place: str) -> None:
+    """What interrupted saves and deletions left in ``place``."""
+    leftovers = [n for n in os.listdir(place) if any(m in n for m in (TMP_MARKER, TRASH_MARKER))]
+    for name in leftovers:
+        remove_path(os.path.join(place, name))
     if leftovers:
         log.info("aiopersist: removed %d leftovers of interrupted saves from %s", len(leftovers), place)
-
-
-def _probe_rename(place: str, base: str) -> None:
-    """Rename a fresh directory from ``place`` into ``base`` (and remove it): the
-    ``OSError`` of a rename that cannot be done."""
-    probe = tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=place)
-    moved = os.path.join(base, os.path.basename(probe))
-    try:
-        os.rename(probe, moved)
-    except OSError:
-        os.rmdir(probe)
-        raise
-    os.rmdir(moved)
 
 
 def _outdated(accelerator: Any) -> list[str]:

@@ -166,10 +166,10 @@ def test_a_replaced_checkpoint_is_deleted_off_the_saves_clock(
     assert _same(_load(ck, AiopersistReader(backend=backend_name)), _state(2))
 
 
-_OVERWRITE_AND_EXIT = """
-import sys, time
+SLOW_OVERWRITES = """
+import os, sys, time
 sys.path.insert(0, {root!r})
-import torch.distributed.checkpoint as dcp
+import torch, torch.distributed.checkpoint as dcp
 from aiopersist.integrations import dcp as aio_dcp
 from tests.io.test_dcp import _state
 
@@ -177,22 +177,24 @@ real = aio_dcp.remove_path
 
 
 def slow(path):  # a deletion as slow as a large checkpoint's
-    time.sleep(0.5)
+    time.sleep({seconds})
     real(path)
 
 
 aio_dcp.remove_path = slow
-for seed in range(3):
+for seed in range({saves}):  # each replaces the one before: its deletion in the background
     writer = aio_dcp.AiopersistWriter(overwrite=True, backend={b!r})
     dcp.save(_state(seed), checkpoint_id={ck!r}, storage_writer=writer)
 """
+"""A script's start: ``saves`` overwrites of ``ck``, each replaced checkpoint's deletion
+taking ``seconds``."""
 
 
 def test_an_exit_right_after_an_overwrite_leaves_no_replaced_checkpoint(
     backend_name: str, tmp_path: Path
 ) -> None:
     root = str(Path(__file__).resolve().parents[2])
-    script = _OVERWRITE_AND_EXIT.format(root=root, ck=str(tmp_path / "ck"), b=backend_name)
+    script = SLOW_OVERWRITES.format(root=root, ck=str(tmp_path / "ck"), b=backend_name, seconds=0.5, saves=3)
     proc = subprocess.run(
         [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120
     )

@@ -34,7 +34,9 @@ from torch.distributed.checkpoint.metadata import (
 import aiopersist
 from aiopersist._stream import read_segments
 from aiopersist.integrations.dcp import AiopersistReader, AiopersistWriter, _check_pickle_shape
+from tests.conftest import fifo_opened_after
 from tests.io.test_corruption import _rewrite_manifest
+from tests.io.test_dcp import SLOW_OVERWRITES
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -313,7 +315,6 @@ def test_a_data_file_swapped_for_a_fifo_after_the_metadata_never_hangs_the_load(
     """The data file becomes a FIFO after ``read_metadata``: the reader's probe of the file
     and its reads refuse it at once (a writer opens the FIFO after 10 s on a regression,
     so that the test fails rather than hangs)."""
-    import threading
     import time
 
     from aiopersist import _direct
@@ -336,25 +337,11 @@ def test_a_data_file_swapped_for_a_fifo_after_the_metadata_never_hangs_the_load(
             os.mkfifo(victim)
             return metadata
 
-    stop = threading.Event()
-
-    def unblock() -> None:
-        if not stop.wait(10):
-            fd = os.open(victim, os.O_WRONLY | os.O_NONBLOCK)
-            os.write(fd, b"x" * 64)
-            os.close(fd)
-
-    threading.Thread(target=unblock, daemon=True).start()
     t0 = time.monotonic()
-    try:
-        with pytest.raises(BaseException, match="not a regular file") as info:
-            dcp.load(
-                {"w": torch.zeros(1 << 16)},
-                checkpoint_id=str(ck),
-                storage_reader=Swapping(backend=backend_name),
-            )
-    finally:
-        stop.set()
+    with fifo_opened_after(victim), pytest.raises(BaseException, match="not a regular file") as info:
+        dcp.load(
+            {"w": torch.zeros(1 << 16)}, checkpoint_id=str(ck), storage_reader=Swapping(backend=backend_name)
+        )
     assert "CheckpointCorruptError" in str(info.value)  # in DCP's CheckpointException
     assert time.monotonic() - t0 < 10
 
@@ -373,24 +360,7 @@ def test_paths_pickled_by_python_3_13_are_read_on_any_python() -> None:
 
 
 _FORK_AFTER_OVERWRITE = """
-import os, sys, time
-sys.path.insert(0, {root!r})
-import torch, torch.distributed.checkpoint as dcp
-from aiopersist.integrations import dcp as aio_dcp
-
-real = aio_dcp.remove_path
-
-
-def slow(path):  # a deletion as slow as a large checkpoint's
-    time.sleep(3)
-    real(path)
-
-
-aio_dcp.remove_path = slow
-for seed in range(2):  # the second replaces the first: its deletion is pending
-    w = aio_dcp.AiopersistWriter(overwrite=True, backend={b!r})
-    dcp.save({{"w": torch.ones(64) * seed}}, checkpoint_id={ck!r}, storage_writer=w)
-pid = os.fork()
+pid = os.fork()  # the second save's deletion of the first is pending
 if pid == 0:
     t0 = time.monotonic()
     w = aio_dcp.AiopersistWriter(backend={b!r})  # the engine's threads are the parent's
@@ -411,7 +381,8 @@ def test_a_child_forked_with_a_deletion_pending_saves_and_exits_at_once(
     pending: the child's own DCP save runs (the engine's worker threads were the
     parent's), and its exit does not wait for the parent's deletion."""
     root = str(Path(__file__).resolve().parents[2])
-    script = _FORK_AFTER_OVERWRITE.format(root=root, ck=str(tmp_path / "ck"), b=backend_name)
+    fmt = {"root": root, "ck": str(tmp_path / "ck"), "b": backend_name}
+    script = SLOW_OVERWRITES.format(**fmt, seconds=3, saves=2) + _FORK_AFTER_OVERWRITE.format(**fmt)
     import signal
 
     proc = subprocess.Popen(

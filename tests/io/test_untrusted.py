@@ -24,6 +24,7 @@ import aiopersist
 from aiopersist import _commit
 from aiopersist._manifest import MAX_SIZE, parse_index
 from aiopersist._skeleton import MAX_CONTAINER_DEPTH, MAX_SKELETON_DEPTH
+from tests.conftest import fifo_opened_after
 from tests.io.test_corruption import _rewrite_manifest
 
 pytestmark = pytest.mark.asyncio
@@ -264,7 +265,6 @@ async def test_a_file_swapped_for_a_fifo_after_the_checks_never_hangs_the_read(
     """A data file replaced by a FIFO between the checks of locate and the read (a race):
     the read's own open must not wait for a writer; it refuses the FIFO. (On a regression
     a writer opens the FIFO after 10 s, so that the test fails rather than hangs.)"""
-    import threading
     import time
 
     from aiopersist._backends import open_backend
@@ -274,25 +274,18 @@ async def test_a_file_swapped_for_a_fifo_after_the_checks_never_hangs_the_read(
 
     fifo = tmp_path / "state.safetensors"
     os.mkfifo(fifo)
-    stop = threading.Event()
-
-    def unblock() -> None:
-        if not stop.wait(10):
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-            os.write(fd, b"x" * 64)
-            os.close(fd)
-
-    threading.Thread(target=unblock, daemon=True).start()
     pool = StagingPool()
     t0 = time.monotonic()
     try:
         async with open_backend(backend_name) as be:
-            with pytest.raises(aiopersist.CheckpointCorruptError, match="not a regular file"):
+            with (
+                fifo_opened_after(fifo),
+                pytest.raises(aiopersist.CheckpointCorruptError, match="not a regular file"),
+            ):
                 dest = torch.empty(4096, dtype=torch.uint8)
                 dio = dataclasses.replace(probe_directory(str(tmp_path)), direct=direct)
                 await read_segments(be, str(fifo), dio, pool, [(0, dest)])
     finally:
-        stop.set()
         pool.close()
     assert time.monotonic() - t0 < 10
 
@@ -306,7 +299,6 @@ async def test_load_and_verify_never_hang_on_a_fifo_swapped_in_after_locate(
     """The whole path of a load and of a verify (headers, hashing, reads): the data file
     becomes a FIFO right after locate has checked it. Each refuses it at once (a writer
     opens the FIFO after 10 s on a regression, so the test fails rather than hangs)."""
-    import threading
     import time
 
     from aiopersist import _load
@@ -324,21 +316,12 @@ async def test_load_and_verify_never_hang_on_a_fifo_swapped_in_after_locate(
         return found
 
     monkeypatch.setattr(_load, "locate", swapped)
-    stop = threading.Event()
-
-    def unblock() -> None:
-        if not stop.wait(10):
-            fd = os.open(victim, os.O_WRONLY | os.O_NONBLOCK)
-            os.write(fd, b"x" * 64)
-            os.close(fd)
-
-    threading.Thread(target=unblock, daemon=True).start()
     t0 = time.monotonic()
-    try:
-        with pytest.raises(aiopersist.CheckpointCorruptError, match="not a regular file"):
-            await getattr(aiopersist, act)(ckpt, backend=backend_name)
-    finally:
-        stop.set()
+    with (
+        fifo_opened_after(victim),
+        pytest.raises(aiopersist.CheckpointCorruptError, match="not a regular file"),
+    ):
+        await getattr(aiopersist, act)(ckpt, backend=backend_name)
     assert time.monotonic() - t0 < 10
 
 
@@ -348,7 +331,8 @@ async def test_a_file_under_a_lease_is_read_once_the_lease_is_given_up(
 ) -> None:
     """Another process holds a write lease on the data file (as an NFS server's delegation
     or Samba's oplocks do): the reads' non-blocking opens must not turn the wait for the
-    lease into a failure; the load waits until the holder gives it up."""
+    lease into a failure, nor into a loop: the load waits, idle, until the holder gives
+    it up."""
     import sys
     import time
 
@@ -358,7 +342,7 @@ async def test_a_file_under_a_lease_is_read_once_the_lease_is_given_up(
         "import fcntl, os, signal, sys, time\n"
         f"fd = os.open({str(data)!r}, os.O_RDWR)\n"
         "def give_up(*_):\n"
-        "    time.sleep(0.5)\n"
+        "    time.sleep(1.0)\n"
         "    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)\n"
         "signal.signal(signal.SIGIO, give_up)\n"
         "fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)\n"
@@ -371,9 +355,10 @@ async def test_a_file_under_a_lease_is_read_once_the_lease_is_given_up(
     try:
         assert holder.stdout is not None
         assert (await holder.stdout.readline()).strip() == b"held"
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         loaded = await aiopersist.load(ckpt, backend=backend_name)
-        assert time.monotonic() - t0 >= 0.4  # it waited for the lease
+        assert time.monotonic() - t0 >= 0.9  # it waited for the lease
+        assert time.process_time() - cpu0 < 0.5  # idle, not spinning on EAGAIN
         assert torch.equal(loaded["model"]["w"], _state()["model"]["w"])
     finally:
         holder.kill()

@@ -1,0 +1,87 @@
+"""A process forked while aiopersist is in use (a data loader's workers, a launcher):
+the child starts afresh, with none of the parent's threads or pending work to wait for.
+(The DCP writer's case is in test_dcp_untrusted.)"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = str(Path(__file__).resolve().parents[2])
+
+_AFTER_A_BLOCKING_SAVE = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import torch, aiopersist
+ck = aiopersist.BlockingCheckpointer(backend={b!r})  # open: its event loop runs in a thread
+ck.save({{"w": torch.ones(8)}}, {path!r}).wait()
+pid = os.fork()
+if pid == 0:
+    info = aiopersist.save_sync({{"w": torch.ones(8)}}, {path!r} + "-child", backend={b!r})
+    sys.exit(0)  # the parent's checkpointer is not the child's to close
+t0 = time.monotonic()
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), round(time.monotonic() - t0, 2), flush=True)
+ck.close()
+"""
+
+_INSIDE_A_GC_PAUSE = """
+import gc, os, sys
+sys.path.insert(0, {root!r})
+from aiopersist import _workers
+gc.enable()
+with _workers.gc_paused():  # another thread's burst of work, at the moment of the fork
+    pid = os.fork()
+    if pid == 0:
+        print("child gc", gc.isenabled(), _workers._gc_holders, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+print("parent gc", gc.isenabled(), flush=True)
+"""
+
+
+def _run(script: str, env: dict[str, str] | None = None) -> str:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,  # a hung child goes with its parent
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_child_of_a_process_with_an_open_checkpointer_saves_and_exits_at_once(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """The parent's ``BlockingCheckpointer`` is open (its loop in a thread the child does
+    not have): the child saves on its own, and its exit does not wait the exit grace to
+    close the parent's checkpointer."""
+    script = _AFTER_A_BLOCKING_SAVE.format(root=ROOT, b=backend_name, path=str(tmp_path / "ck"))
+    out = _run(script, {"AIOPERSIST_EXIT_GRACE": "6"})
+    _, code, seconds = out.split()
+    assert code == "0"
+    assert float(seconds) < 4  # not the 6 s grace (and 5 more to cancel)
+    assert (tmp_path / "ck-child" / "aiopersist.json").is_file()
+
+
+def test_a_child_forked_inside_a_gc_pause_has_its_collector_back() -> None:
+    out = _run(_INSIDE_A_GC_PAUSE.format(root=ROOT))
+    assert "child gc True 0" in out
+    assert "parent gc True" in out
