@@ -120,6 +120,31 @@ def fifo_opened_after(fifo: Path, seconds: float = 10.0) -> Iterator[None]:
         stop.set()
 
 
+def run_forking_script(script: str, env: dict[str, str] | None = None, timeout: float = 60) -> str:
+    """Run ``python -c script`` (which forks) in a session of its own, so that a child that
+    hangs on a regression is killed with it; its stdout, once it exited 0."""
+    import signal
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
 class Gate:
     """An object that holds the thread pickling it (``torch.save`` of it, in a `TorchSave`)
     until ``go`` is set: a save that stays in flight until the test lets it go."""

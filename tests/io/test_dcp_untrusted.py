@@ -6,7 +6,6 @@ values, or memory sized by a claim."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import os
 import pickle
@@ -34,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 import aiopersist
 from aiopersist._stream import read_segments
 from aiopersist.integrations.dcp import AiopersistReader, AiopersistWriter, _check_pickle_shape
-from tests.conftest import fifo_opened_after
+from tests.conftest import fifo_opened_after, run_forking_script
 from tests.io.test_corruption import _rewrite_manifest
 from tests.io.test_dcp import SLOW_OVERWRITES
 
@@ -383,23 +382,7 @@ def test_a_child_forked_with_a_deletion_pending_saves_and_exits_at_once(
     root = str(Path(__file__).resolve().parents[2])
     fmt = {"root": root, "ck": str(tmp_path / "ck"), "b": backend_name}
     script = SLOW_OVERWRITES.format(**fmt, seconds=3, saves=2) + _FORK_AFTER_OVERWRITE.format(**fmt)
-    import signal
-
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script],
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a hung child goes with its parent
-    )
-    try:
-        out, err = proc.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == 0, err[-3000:]
+    out = run_forking_script(script)
     lines = dict(line.rsplit(" ", 1) for line in out.splitlines())
     assert float(lines["child saved"]) < 2.5
     assert float(lines["child exited"]) < 2.5  # not the parent's 3 s deletion, nor the exit grace

@@ -4,14 +4,11 @@ the child starts afresh, with none of the parent's threads or pending work to wa
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_forking_script
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -46,26 +43,6 @@ print("parent gc", gc.isenabled(), flush=True)
 """
 
 
-def _run(script: str, env: dict[str, str] | None = None) -> str:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,  # a hung child goes with its parent
-    )
-    try:
-        out, err = proc.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == 0, err[-3000:]
-    return out
-
-
 @pytest.mark.timeout(120)
 def test_a_child_of_a_process_with_an_open_checkpointer_saves_and_exits_at_once(
     backend_name: str, tmp_path: Path
@@ -74,7 +51,7 @@ def test_a_child_of_a_process_with_an_open_checkpointer_saves_and_exits_at_once(
     not have): the child saves on its own, and its exit does not wait the exit grace to
     close the parent's checkpointer."""
     script = _AFTER_A_BLOCKING_SAVE.format(root=ROOT, b=backend_name, path=str(tmp_path / "ck"))
-    out = _run(script, {"AIOPERSIST_EXIT_GRACE": "6"})
+    out = run_forking_script(script, {"AIOPERSIST_EXIT_GRACE": "6"})
     _, code, seconds = out.split()
     assert code == "0"
     assert float(seconds) < 4  # not the 6 s grace (and 5 more to cancel)
@@ -82,6 +59,6 @@ def test_a_child_of_a_process_with_an_open_checkpointer_saves_and_exits_at_once(
 
 
 def test_a_child_forked_inside_a_gc_pause_has_its_collector_back() -> None:
-    out = _run(_INSIDE_A_GC_PAUSE.format(root=ROOT))
+    out = run_forking_script(_INSIDE_A_GC_PAUSE.format(root=ROOT))
     assert "child gc True 0" in out
     assert "parent gc True" in out
