@@ -100,22 +100,24 @@ def readonly_fs(tmp_path: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def fifo_opened_after(fifo: Path, seconds: float = 10.0) -> Iterator[None]:
-    """Within the block, a thread opens ``fifo`` for writing after ``seconds`` (and writes a
-    few bytes), unless the block has ended: a test of code that must never block opening
-    a FIFO then fails on a regression, instead of hanging. Assert that the block took
-    less than ``seconds``."""
+def fifo_opened_after(fifo: Path, seconds: float = 10.0) -> Iterator[threading.Event]:
+    """Within the block, a thread stands ready to open ``fifo`` for writing (and write a
+    few bytes) if the block has not ended after ``seconds``: code that must never block
+    opening a FIFO then fails on a regression instead of hanging. Yields the event set
+    when the writer had to open it: assert it is not set (nothing waited for a writer)."""
     stop = threading.Event()
+    opened = threading.Event()
 
     def unblock() -> None:
         if not stop.wait(seconds):
+            opened.set()
             fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
             os.write(fd, b"x" * 64)
             os.close(fd)
 
     threading.Thread(target=unblock, daemon=True).start()
     try:
-        yield
+        yield opened
     finally:
         stop.set()
 

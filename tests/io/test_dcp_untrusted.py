@@ -314,7 +314,6 @@ def test_a_data_file_swapped_for_a_fifo_after_the_metadata_never_hangs_the_load(
     """The data file becomes a FIFO after ``read_metadata``: the reader's probe of the file
     and its reads refuse it at once (a writer opens the FIFO after 10 s on a regression,
     so that the test fails rather than hangs)."""
-    import time
 
     from aiopersist import _direct
 
@@ -336,13 +335,15 @@ def test_a_data_file_swapped_for_a_fifo_after_the_metadata_never_hangs_the_load(
             os.mkfifo(victim)
             return metadata
 
-    t0 = time.monotonic()
-    with fifo_opened_after(victim), pytest.raises(BaseException, match="not a regular file") as info:
+    with (
+        fifo_opened_after(victim) as waited,
+        pytest.raises(BaseException, match="not a regular file") as info,
+    ):
         dcp.load(
             {"w": torch.zeros(1 << 16)}, checkpoint_id=str(ck), storage_reader=Swapping(backend=backend_name)
         )
     assert "CheckpointCorruptError" in str(info.value)  # in DCP's CheckpointException
-    assert time.monotonic() - t0 < 10
+    assert not waited.is_set()  # refused at once, not once a writer came
 
 
 def test_paths_pickled_by_python_3_13_are_read_on_any_python() -> None:
@@ -361,14 +362,12 @@ def test_paths_pickled_by_python_3_13_are_read_on_any_python() -> None:
 _FORK_AFTER_OVERWRITE = """
 pid = os.fork()  # the second save's deletion of the first is pending
 if pid == 0:
-    t0 = time.monotonic()
     w = aio_dcp.AiopersistWriter(backend={b!r})  # the engine's threads are the parent's
     dcp.save({{"w": torch.ones(64)}}, checkpoint_id={ck!r} + "-child", storage_writer=w)
-    print("child saved", round(time.monotonic() - t0, 2), flush=True)
+    print("child deletions to wait for at exit", len(aio_dcp._deleting), flush=True)
     sys.exit(0)
-t0 = time.monotonic()
-os.waitpid(pid, 0)
-print("child exited", round(time.monotonic() - t0, 2), flush=True)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
 """
 
 
@@ -378,12 +377,12 @@ def test_a_child_forked_with_a_deletion_pending_saves_and_exits_at_once(
 ) -> None:
     """A process forked while the background deletion of a replaced checkpoint is
     pending: the child's own DCP save runs (the engine's worker threads were the
-    parent's), and its exit does not wait for the parent's deletion."""
+    parent's; a regression hangs the save, and the run fails), and it has none of the
+    parent's deletions to wait for at exit."""
     root = str(Path(__file__).resolve().parents[2])
     fmt = {"root": root, "ck": str(tmp_path / "ck"), "b": backend_name}
     script = SLOW_OVERWRITES.format(**fmt, seconds=3, saves=2) + _FORK_AFTER_OVERWRITE.format(**fmt)
     out = run_forking_script(script)
-    lines = dict(line.rsplit(" ", 1) for line in out.splitlines())
-    assert float(lines["child saved"]) < 2.5
-    assert float(lines["child exited"]) < 2.5  # not the parent's 3 s deletion, nor the exit grace
+    assert "child deletions to wait for at exit 0" in out
+    assert "child exit 0" in out
     assert (tmp_path / "ck-child" / ".metadata").is_file()
