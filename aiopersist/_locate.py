@@ -96,20 +96,17 @@ def file_problem(path: str, nbytes: int | None = None, root: str | None = None) 
     """What is wrong with a file a checkpoint lists (``None``: a regular file, of
     ``nbytes`` bytes when given). Follows no link: neither the file, nor (given the
     directory ``root`` the file's name is relative to) a subdirectory on the way to it."""
-    if root is not None:
-        rel = os.path.relpath(os.path.dirname(path), root)
-        if rel != ".":
-            parts = rel.split(os.sep)
-            for i in range(len(parts)):
-                sub = os.path.join(root, *parts[: i + 1])
-                try:
-                    mode = os.lstat(sub).st_mode
-                except FileNotFoundError:
-                    return f"missing (no subdirectory {os.path.join(*parts[: i + 1])})"
-                except OSError as exc:
-                    raise from_os_error(exc, "lstat", sub) from exc
-                if not stat.S_ISDIR(mode):
-                    return f"{os.path.join(*parts[: i + 1])} is {_kind_of(mode)}, not a subdirectory"
+    subdirectories = member_directories([os.path.relpath(path, root)]) if root is not None else []
+    for sub in subdirectories:  # parents first
+        place = os.path.join(root or "", sub)
+        try:
+            mode = os.lstat(place).st_mode
+        except FileNotFoundError:
+            return f"missing (no subdirectory {sub})"
+        except OSError as exc:
+            raise from_os_error(exc, "lstat", place) from exc
+        if not stat.S_ISDIR(mode):
+            return f"{sub} is {_kind_of(mode)}, not a subdirectory"
     try:
         st = os.lstat(path)
     except FileNotFoundError:

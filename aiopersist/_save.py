@@ -575,9 +575,8 @@ async def _write_mine(
     mine = plan.of_rank(rank)
     pickled = await asyncio.to_thread(pickle_objects, flat) if flat.pickled else None
     additions = dict(extra_files or {}) if rank == 0 else {}
-    for name in additions:
-        if any(f.name == name for f in plan.files):
-            raise _reserved(name)
+    for name in sorted(additions.keys() & {f.name for f in plan.files}):
+        raise _reserved(name)
     check_file_tree([*additions, *(f.name for f in plan.files)], "extra_files")
     one_written = countdown(len(mine) + (pickled is not None) + len(additions), staged)
     dirs: dict[int, str] = {}

@@ -60,7 +60,6 @@ import io
 import logging
 import math
 import os
-import pathlib
 import pickle
 import pickletools
 import struct
@@ -1089,7 +1088,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if not allowed:
             raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
         if module == "pathlib._local":  # Python 3.13 pickles its paths so; any Python reads them
-            return getattr(pathlib, name)
+            module = "pathlib"
         return super().find_class(module, name)
 
 
