@@ -16,7 +16,6 @@ import ctypes
 import errno
 import os
 import re
-import shutil
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -127,11 +126,87 @@ def renameat2(src: str, dst: str, flags: int) -> bool:
 
 
 def remove_path(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
+    """Remove a file, a link (not what it names) or a directory tree, as far as it can be
+    (best effort, as ``shutil.rmtree(ignore_errors=True)``; what cannot be removed stays).
+    The tree is walked without recursion and without following a link, so a tree nested
+    thousands of levels deep (stuffed into a checkpoint by hand) neither raises
+    ``RecursionError`` nor needs a path longer than ``PATH_MAX``."""
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError:
+        with contextlib.suppress(OSError):  # not a directory (a file, a link), or gone
             os.unlink(path)
+        return
+    _empty_tree(fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _empty_tree(top: int) -> None:
+    """Remove what the directory open as ``top`` holds; closes ``top``.
+
+    Depth-first with one directory open at a time: it goes down through a subdirectory
+    (opened relative to its parent, never through a link) and back up through ``..``,
+    checked to be the directory it came from (a tree moved meanwhile is left as it is).
+    Entries that cannot be removed are skipped, not retried."""
+    fd = top
+    ancestors: list[tuple[int, int, str]] = []  # (st_dev, st_ino) of each parent, and our name there
+    stuck: set[tuple[int, int]] = set()  # directories that could not be emptied
+    try:
+        while True:
+            here = os.fstat(fd)
+            child = None
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        try:
+                            if entry.is_dir(follow_symlinks=False):
+                                st = entry.stat(follow_symlinks=False)
+                                if (st.st_dev, st.st_ino) not in stuck:
+                                    child = entry.name
+                                    break
+                            else:
+                                os.unlink(entry.name, dir_fd=fd)
+                        except FileNotFoundError:
+                            pass
+                        except OSError:
+                            stuck.add((here.st_dev, here.st_ino))
+            except OSError:  # unreadable
+                stuck.add((here.st_dev, here.st_ino))
+            if child is not None:
+                try:
+                    down = os.open(child, _DIR_FLAGS, dir_fd=fd)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        st = os.stat(child, dir_fd=fd, follow_symlinks=False)
+                        stuck.add((st.st_dev, st.st_ino))
+                    continue
+                ancestors.append((here.st_dev, here.st_ino, child))
+                fd, parent = down, fd
+                os.close(parent)
+                continue
+            if not ancestors:
+                return
+            dev, ino, name = ancestors.pop()
+            fd, below = os.open("..", _DIR_FLAGS, dir_fd=fd), fd
+            os.close(below)
+            back = os.fstat(fd)
+            if (back.st_dev, back.st_ino) != (dev, ino):
+                return  # moved away while it was being emptied
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                stuck.add((here.st_dev, here.st_ino))
+    except OSError:
+        return
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _exchange(tmp: str, final: str, discard: Callable[[str], None]) -> bool:

@@ -254,14 +254,23 @@ def _stock_step(step: int, path: str, tier: str, stock_file: str) -> StepInfo:
     last) is there, its size that of every regular file under it (links not followed)."""
     if not os.path.isfile(os.path.join(path, stock_file)):
         return StepInfo(step, path, tier, False, 0, f"no {MANIFEST_NAME} nor {stock_file}", "stock")
+    return StepInfo(step, path, tier, True, _tree_bytes(path), None, "stock")
+
+
+def _tree_bytes(path: str) -> int:
+    """The size of every regular file under ``path``, links not followed; walked without
+    recursion (a tree stuffed in by hand may be nested deeper than Python recurses)."""
     nbytes = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                st = os.lstat(os.path.join(root, name))
-                if stat.S_ISREG(st.st_mode):
-                    nbytes += st.st_size
-    return StepInfo(step, path, tier, True, nbytes, None, "stock")
+    pending = [path]
+    while pending:
+        with contextlib.suppress(OSError), os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
+                        nbytes += entry.stat(follow_symlinks=False).st_size
+    return nbytes
 
 
 def delete_step(path: PathArg) -> None:
@@ -379,7 +388,7 @@ def copy_step(src: PathArg, mirror: str, step: int) -> str:
                 _copy_file(path, os.path.join(tmp, extra))
         publish(tmp, final, overwrite=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_path(tmp)
         raise
     return final
 

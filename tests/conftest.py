@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -180,3 +181,32 @@ def gated_torch_save(monkeypatch: pytest.MonkeyPatch) -> Gate:
 
     monkeypatch.setattr(torch, "save", save)
     return gate
+
+
+DEEP_TREE_DEPTH = sys.getrecursionlimit() + 200  # deeper than a recursive walk can go
+
+
+@pytest.fixture
+def deep_trees_removed(tmp_path: Path) -> Iterator[Path]:
+    """``tmp_path``, emptied after the test without recursion: a deep tree that a failed
+    test left would make pytest's own cleanup of old temporary directories fail later."""
+    yield tmp_path
+    from aiopersist._commit import remove_path
+
+    for name in os.listdir(tmp_path):
+        remove_path(str(tmp_path / name))
+
+
+def deep_tree(root: Path, depth: int = DEEP_TREE_DEPTH) -> None:
+    """``root/d/d/.../d`` with a file at every level, made relative to an open directory
+    (its path would pass PATH_MAX)."""
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            os.close(os.open("f", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
+            fd, above = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+            os.close(above)
+    finally:
+        os.close(fd)

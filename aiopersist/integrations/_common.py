@@ -10,13 +10,13 @@ from __future__ import annotations
 import io
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .._commit import remove_path
 from .._dist import coordinator
 from .._manager import delete_step
 from .._manifest import MAX_MEMBER_DEPTH
@@ -68,7 +68,7 @@ def files_written_by(write: Callable[[str], None], beside: str, *, keep: bool = 
         _read_tree(staging, "", files, beside)
         return files
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_path(staging)
 
 
 def _read_tree(root: str, prefix: str, files: dict[str, bytes], beside: str) -> None:
@@ -109,7 +109,7 @@ def delete_checkpoints(paths: Sequence[str], done: Callable[[str], None] | None 
             delete_step(path)
         except OSError as exc:
             log.warning("aiopersist: could not delete %s: %s", path, exc)
-            shutil.rmtree(path, ignore_errors=True)
+            remove_path(path)
             failed.append(path)
         if done is not None:
             done(path)

@@ -19,6 +19,7 @@ import aiopersist
 from aiopersist import _commit, _save
 from aiopersist._manager import copy_step
 from aiopersist.integrations._common import files_written_by
+from tests.conftest import deep_tree
 
 pytestmark = pytest.mark.asyncio
 
@@ -159,6 +160,8 @@ def _writes(kind: str) -> Callable[[str], None]:
             deep = os.path.join(directory, *["d"] * 17)
             os.makedirs(deep)
             Path(deep, "f.json").write_text("{}")
+        elif kind == "very deep":  # deeper than a recursive walk (or removal) can go
+            deep_tree(Path(directory, "sub", "deeper", "tree"))
 
     return write
 
@@ -176,11 +179,13 @@ async def test_files_written_for_a_checkpoint_are_read_by_their_paths(tmp_path: 
         ("fifo", "'sub/fifo' was written .* not a plain file or a directory"),
         ("empty", "'sub/empty/' was written .* as an empty directory"),
         ("deep", "at most 16 subdirectories deep"),
+        ("very deep", "at most 16 subdirectories deep"),
     ],
 )
 async def test_what_a_checkpoint_cannot_hold_is_refused_not_dropped(
-    tmp_path: Path, kind: str, match: str
+    deep_trees_removed: Path, kind: str, match: str
 ) -> None:
+    tmp_path = deep_trees_removed
     with pytest.raises(ValueError, match=match):
         await asyncio.to_thread(files_written_by, _writes(kind), str(tmp_path / "ck"))
     assert os.listdir(tmp_path) == []
