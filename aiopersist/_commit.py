@@ -19,10 +19,12 @@ import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 from ._exceptions import CheckpointExistsError, from_os_error, io_error
-from ._names import OLD_MARKER, beside, temp_path
+from ._names import OLD_MARKER, beside, is_work_place, temp_path
+
+T = TypeVar("T")
 
 
 def fsync_directory(path: str) -> None:
@@ -42,8 +44,23 @@ def make_directories(path: str) -> None:
     """``os.makedirs(path, exist_ok=True)``, durably: every directory it creates is
     fsynced into its parent, so that after a power loss a checkpoint reported durable is
     still reachable (a fresh ``ckpt/run7`` whose entry in ``ckpt`` was never flushed would
-    vanish with everything under it)."""
+    vanish with everything under it). A parent removed meanwhile (a work place another
+    save released, `release_work_place`) is made again."""
     path = os.path.abspath(path)
+    for attempt in range(_RETRIES):
+        try:
+            _make_missing(path)
+            return
+        except FileNotFoundError as exc:
+            if attempt == _RETRIES - 1:
+                raise from_os_error(exc, "mkdir", path) from exc
+
+
+_RETRIES = 100
+"""How often work in a work place is retried when the place was released meanwhile."""
+
+
+def _make_missing(path: str) -> None:
     missing: list[str] = []
     probe = path
     while not os.path.isdir(probe):
@@ -56,14 +73,47 @@ def make_directories(path: str) -> None:
         try:
             os.mkdir(directory)
         except FileExistsError:
+            if not os.path.lexists(directory):  # made by another save, and released since
+                raise FileNotFoundError(errno.ENOENT, "made and removed meanwhile", directory) from None
             if not os.path.isdir(directory):
                 raise from_os_error(
                     FileExistsError(errno.EEXIST, "exists and is not a directory"), "mkdir", directory
                 ) from None
+        except FileNotFoundError:
+            raise  # a parent went meanwhile: make_directories starts again
         except OSError as exc:
             raise from_os_error(exc, "mkdir", directory) from exc
         # Also when another process made it meanwhile: it may not have flushed it yet.
         fsync_directory(os.path.dirname(directory))
+
+
+def in_work_place(path: str, make: Callable[[], T]) -> T:
+    """``make()``, which creates ``path`` (a directory made or renamed there), after making
+    its parent. Where that parent is a work place (`work_elsewhere`) that another save
+    released meanwhile (`release_work_place`: ``make`` raises ``FileNotFoundError``), it
+    is made again and ``make`` retried. (Whether the place went cannot be told afterwards:
+    a third save may have made it again since.)"""
+    parent = os.path.dirname(os.path.abspath(path))
+    for attempt in range(_RETRIES):
+        make_directories(parent)
+        try:
+            return make()
+        except FileNotFoundError:
+            if attempt == _RETRIES - 1 or not is_work_place(parent):
+                raise
+    raise AssertionError("unreachable")
+
+
+def release_work_place(path: str) -> None:
+    """Once the work in progress ``path`` is gone (published or removed): remove the work
+    place holding it (`work_elsewhere`) if nothing else is in it, so that between saves
+    nothing of aiopersist's lies beside the checkpoints (Accelerate's ``project_dir`` holds
+    ``checkpoints/`` alone, as after a stock ``save_state``). Whoever works there next
+    makes it again (`in_work_place`, `make_directories`)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if is_work_place(parent):
+        with contextlib.suppress(OSError):
+            os.rmdir(parent)
 
 
 def mount_of(path: str) -> str:
@@ -127,7 +177,8 @@ def renameat2(src: str, dst: str, flags: int) -> bool:
 
 def remove_path(path: str) -> None:
     """Remove a file, a link (not what it names) or a directory tree, as far as it can be
-    (best effort, as ``shutil.rmtree(ignore_errors=True)``; what cannot be removed stays).
+    (best effort, as ``shutil.rmtree(ignore_errors=True)``; what cannot be removed stays),
+    then the work place that held it if it is left empty (`release_work_place`).
     The tree is walked without recursion and without following a link, so a tree nested
     thousands of levels deep (stuffed into a checkpoint by hand) neither raises
     ``RecursionError`` nor needs a path longer than ``PATH_MAX``."""
@@ -136,10 +187,11 @@ def remove_path(path: str) -> None:
     except OSError:
         with contextlib.suppress(OSError):  # not a directory (a file, a link), or gone
             os.unlink(path)
-        return
-    _empty_tree(fd)
-    with contextlib.suppress(OSError):
-        os.rmdir(path)
+    else:
+        _empty_tree(fd)
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+    release_work_place(path)
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -225,7 +277,13 @@ def _exchange(tmp: str, final: str, discard: Callable[[str], None]) -> bool:
 
 
 def publish(tmp: str, final: str, overwrite: bool, discard: Callable[[str], None] = remove_path) -> None:
-    """Make the complete directory ``tmp`` the checkpoint ``final`` (see the module docstring)."""
+    """Make the complete directory ``tmp`` the checkpoint ``final`` (see the module
+    docstring); the work place that held ``tmp`` goes if nothing else is in it."""
+    _publish(tmp, final, overwrite, discard)
+    release_work_place(tmp)
+
+
+def _publish(tmp: str, final: str, overwrite: bool, discard: Callable[[str], None]) -> None:
     parent = os.path.dirname(final)
     fsync_directory(tmp)
     if overwrite and os.path.lexists(final):
@@ -275,7 +333,7 @@ def _publish_by_two_renames(tmp: str, final: str, discard: Callable[[str], None]
     parent = os.path.dirname(final)
     old = beside(final, OLD_MARKER, uuid.uuid4().hex[:12])
     try:
-        os.rename(final, old)
+        in_work_place(old, lambda: os.rename(final, old))
     except OSError as exc:
         raise from_os_error(exc, "rename", final) from exc
     try:
@@ -304,9 +362,8 @@ def make_temp(final: str | os.PathLike[str], overwrite: bool, token: str | None 
         raise CheckpointExistsError(f"{target} already exists (pass overwrite=True to replace it)")
     make_directories(parent)
     tmp = temp_path(target, token or uuid.uuid4().hex[:12])
-    make_directories(os.path.dirname(tmp))  # made already, unless work goes elsewhere
     try:
-        os.mkdir(tmp)
+        in_work_place(tmp, lambda: os.mkdir(tmp))
     except OSError as exc:
         raise from_os_error(exc, "mkdir", tmp) from exc
     return PendingDirectory(tmp, target)

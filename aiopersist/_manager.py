@@ -52,9 +52,11 @@ import torch
 from ._checkpointer import Checkpointer, Mode, SaveHandle
 from ._commit import (
     fsync_directory,
+    in_work_place,
     make_directories,
     make_temp,
     publish,
+    release_work_place,
     remove_path,
 )
 from ._exceptions import (
@@ -284,8 +286,9 @@ def delete_step(path: PathArg) -> None:
     trash = beside(primary, TRASH_MARKER, uuid.uuid4().hex[:12])
     parts = own_parts(paths, token_at(primary)) if len(paths) > 1 else []
     try:
-        os.rename(primary, trash)
+        in_work_place(trash, lambda: os.rename(primary, trash))
     except FileNotFoundError:
+        release_work_place(trash)
         return
     except OSError as exc:
         raise from_os_error(exc, "rename", primary) from exc

@@ -101,6 +101,12 @@ def work_elsewhere(directory: str, place: str) -> None:
     _WORK_PLACES[os.path.abspath(directory)] = os.path.abspath(place)
 
 
+def is_work_place(directory: str) -> bool:
+    """Whether ``directory`` is a place `work_elsewhere` named: it exists only while work
+    is in progress there (`aiopersist._commit.release_work_place`)."""
+    return os.path.abspath(directory) in _WORK_PLACES.values()
+
+
 def work_place(directory: str) -> str:
     """Where the work in progress of the checkpoints in ``directory`` goes: ``directory``
     itself, unless `work_elsewhere` said otherwise."""

@@ -315,7 +315,7 @@ def _plan_write(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int) 
                 size = 0
             groups[-1].append((part, spec))
             size += nbytes
-        groups_of.append((writer.rank, writer.directory, [g for g in groups if g or alone]))
+        groups_of.append((writer.rank, writer.directory, [g for g in groups if g]))
     model_only = alone and all(d.model_only for d in ranks)
     files: list[FilePlan] = []
     for rank, directory, groups in groups_of:

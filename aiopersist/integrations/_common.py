@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._commit import remove_path
+from .._commit import in_work_place, remove_path
 from .._dist import coordinator
 from .._manager import delete_step
 from .._manifest import MAX_MEMBER_DEPTH
@@ -58,8 +58,8 @@ def files_written_by(write: Callable[[str], None], beside: str, *, keep: bool = 
     `ValueError` naming it, rather than being dropped."""
     parent, name = os.path.split(os.path.abspath(beside))
     place = work_place(parent)
-    os.makedirs(place, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{name}{TMP_MARKER}files-", dir=place)
+    prefix = f".{name}{TMP_MARKER}files-"
+    staging = in_work_place(os.path.join(place, prefix), lambda: tempfile.mkdtemp(prefix=prefix, dir=place))
     try:
         write(staging)
         if not keep:

@@ -5,7 +5,8 @@ what ``accelerator.save_state`` writes, in Accelerate's own layout, so that
 ``accelerator.load_state("ckpt/step-100")`` restores it:
 
 - ``model.safetensors``: the prepared model's state dict (``get_state_dict(model,
-  unwrap=False)``, as ``save_state`` takes it);
+  unwrap=False)``, as ``save_state`` takes it); with ``safe_serialization=False``,
+  ``torch.save`` of each model's into ``pytorch_model.bin``, ``pytorch_model_1.bin``...;
 - ``optimizer.bin``, ``scheduler.bin``: ``torch.save`` of their state dicts (the
   optimizer's streamed through the engine);
 - ``random_states_<rank>.pkl`` for every process;
@@ -234,8 +235,11 @@ def _run_save_hooks(accelerator: Any, weights: list[dict[str, Any]], target: str
     return files_written_by(run_hooks, target, keep=accelerator.process_index == 0)
 
 
-def _plan(accelerator: Any, target: str) -> tuple[object, dict[str, bytes | TorchSave], Any]:
-    """The model's state dict, the other files, and the group process 0 saves in."""
+def _plan(
+    accelerator: Any, target: str, safe_serialization: bool
+) -> tuple[object, dict[str, bytes | TorchSave], Any]:
+    """The model's state dict (``None`` with ``safe_serialization=False``: the weights go
+    into ``pytorch_model.bin``), the other files, and the group process 0 saves in."""
     from accelerate.utils import DistributedType  # type: ignore[import-untyped]
 
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
@@ -245,16 +249,22 @@ def _plan(accelerator: Any, target: str) -> tuple[object, dict[str, bytes | Torc
         )
     weights = [accelerator.get_state_dict(model, unwrap=False) for model in accelerator._models]
     hooked = _run_save_hooks(accelerator, weights, target)
-    if len(weights) > 1:
-        raise ValueError(
-            f"aiopersist's save_state writes one model's weights; {len(weights)} are left to write "
-            "(a save_state pre-hook may save the others itself and take them out of the list)"
-        )
     extra: dict[str, bytes | TorchSave] = dict(hooked)
-    # With no weights left (the hooks saved them), the data file has none: aiopersist's
-    # format always has one, and None names it state.safetensors, which load_state never reads.
+    # With no weights left (the hooks saved them), there is no data file: the checkpoint
+    # holds what save_state writes.
     model_state: object = None
-    if weights:
+    if not safe_serialization:
+        # As save_state: torch.save of each model's state dict, pytorch_model.bin then
+        # pytorch_model_1.bin..., streamed through the engine; over a hook's file of that name.
+        for i, state in enumerate(weights):
+            extra["pytorch_model.bin" if i == 0 else f"pytorch_model_{i}.bin"] = TorchSave(state)
+    elif len(weights) > 1:
+        raise ValueError(
+            f"aiopersist's save_state writes one model's weights in safetensors; {len(weights)} are left "
+            "to write (pass safe_serialization=False to write each to pytorch_model_<i>.bin as "
+            "save_state does, or let a save_state pre-hook save the others and take them out of the list)"
+        )
+    elif weights:
         model_state = weights[0]
         # save_state writes the weights after the hooks: over a file of theirs of that name.
         extra.pop("model.safetensors", None)
@@ -353,9 +363,12 @@ async def save_state(
     *,
     checkpointer: Checkpointer,
     overwrite: bool = False,
+    safe_serialization: bool = True,
 ) -> SaveHandle:
     """Start an asynchronous ``accelerator.save_state(output_dir)``; see the module
-    docstring. ``checkpointer`` does the saving (keep one for the whole run)."""
+    docstring. ``checkpointer`` does the saving (keep one for the whole run).
+    ``safe_serialization=False`` writes the weights as ``save_state`` then does, with
+    ``torch.save`` into ``pytorch_model.bin`` (``pytorch_model_<i>.bin`` for more models)."""
     await asyncio.to_thread(_work_outside_checkpoints, accelerator)
     if _rotates(accelerator):
         await checkpointer.wait()  # the checkpoints in flight count, and are complete, before any goes
@@ -366,7 +379,7 @@ async def save_state(
         handle = await _as_handle(_save_fsdp(accelerator, checkpointer, target, replace))
         accelerator.project_configuration.iteration += 1
         return handle
-    model_state, extra, group = _plan(accelerator, target)
+    model_state, extra, group = _plan(accelerator, target, safe_serialization)
     if accelerator.process_index != 0:
         handle = _done(target)
     else:
@@ -383,6 +396,7 @@ def save_state_blocking(
     *,
     checkpointer: BlockingCheckpointer,
     overwrite: bool = False,
+    safe_serialization: bool = True,
 ) -> BlockingSaveHandle:
     """`save_state` for synchronous training loops, with a `BlockingCheckpointer`:
     ``handle.wait_staged()`` before the next optimizer step, ``handle.wait()`` for
@@ -398,7 +412,7 @@ def save_state_blocking(
         handle = BlockingSaveHandle(checkpointer._portal, checkpointer._portal.call(_as_handle, sharded))
         accelerator.project_configuration.iteration += 1
         return handle
-    model_state, extra, group = _plan(accelerator, target)
+    model_state, extra, group = _plan(accelerator, target, safe_serialization)
     if accelerator.process_index != 0:
         handle = BlockingSaveHandle(checkpointer._portal, checkpointer._portal.call(_done_async, target))
     else:

@@ -159,7 +159,7 @@ def test_save_state_pre_hooks_are_called_and_what_they_write_is_saved(
     models and the weights list, as with ``save_state``; what they write goes into the
     checkpoint, the weights they leave are written, and ``load_state`` (with the load
     hooks) restores the checkpoint. The files are the stock save's, plus aiopersist's
-    manifest (and, when the hooks took every model's weights, a data file with none)."""
+    manifest (when the hooks took every model's weights, no data file, as stock)."""
     accelerator, model, opt, sched = _setup()
     hooks = _Hooks(accelerator, takes_weights)
     _step(model, opt, sched)
@@ -170,8 +170,6 @@ def test_save_state_pre_hooks_are_called_and_what_they_write_is_saved(
         handle.wait_staged()
         assert handle.wait() is not None
     ours = _tree(tmp_path / "ours") - {"aiopersist.json"}
-    if takes_weights:
-        ours -= {"state.safetensors"}
     assert ours == _tree(tmp_path / "stock")
     assert "extra/deeper/note.txt" in ours
     assert ("hooked_model/weights.pt" in ours, "model.safetensors" in ours) == (
@@ -186,6 +184,45 @@ def test_save_state_pre_hooks_are_called_and_what_they_write_is_saved(
     _step(model, opt, sched)
     accelerator.load_state(str(tmp_path / "ours"))
     _assert_restored(model, opt, saved)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_safe_serialization_false_writes_pytorch_model_bin_per_model_as_stock(
+    tmp_path: Path, backend: str
+) -> None:
+    """``save_state(safe_serialization=False)`` writes each model's state dict with
+    ``torch.save``, ``pytorch_model.bin`` then ``pytorch_model_1.bin``: the same files as
+    the stock save (plus the manifest, and no data file of aiopersist's), the same
+    contents, restored by ``load_state``. With safetensors two models are refused."""
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    first = torch.nn.Linear(8, 8)
+    second = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+    first, second, opt = accelerator.prepare(first, second, opt)
+    second(first(torch.randn(3, 8))).sum().backward()
+    opt.step()
+    saved = {f"{i}.{k}": v.clone() for i, m in enumerate((first, second)) for k, v in m.state_dict().items()}
+    accelerator.save_state(str(tmp_path / "stock"), safe_serialization=False)
+    with aiopersist.BlockingCheckpointer(backend=backend) as ck:
+        save_state_blocking(accelerator, tmp_path / "ours", checkpointer=ck, safe_serialization=False).wait()
+        with pytest.raises(ValueError, match="safe_serialization=False"):
+            save_state_blocking(accelerator, tmp_path / "refused", checkpointer=ck)
+    assert not (tmp_path / "refused").exists()
+    assert _tree(tmp_path / "ours") - {"aiopersist.json"} == _tree(tmp_path / "stock")
+    assert {"pytorch_model.bin", "pytorch_model_1.bin"} <= _tree(tmp_path / "ours")
+    for name in ("pytorch_model.bin", "pytorch_model_1.bin"):
+        stock = torch.load(tmp_path / "stock" / name, weights_only=True)
+        ours = torch.load(tmp_path / "ours" / name, weights_only=True)
+        assert stock.keys() == ours.keys()
+        assert all(torch.equal(stock[k], ours[k]) for k in stock)
+    asyncio.run(aiopersist.verify(tmp_path / "ours"))
+    with torch.no_grad():
+        for p in [*first.parameters(), *second.parameters()]:
+            p.zero_()
+    accelerator.load_state(str(tmp_path / "ours"))
+    got = {f"{i}.{k}": v for i, m in enumerate((first, second)) for k, v in m.state_dict().items()}
+    assert all(torch.equal(got[k], v) for k, v in saved.items())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -237,6 +274,8 @@ def test_automatic_checkpoint_naming_and_total_limit_as_stock(tmp_path: Path, ba
                 await handle.staged
             await handle.done
             assert names(ours) == names(stock) == ["checkpoint_1", "checkpoint_2"]
+            # Nothing but checkpoints/ in the project directory between saves, as stock.
+            assert os.listdir(ours.project_dir) == os.listdir(stock.project_dir) == ["checkpoints"]
             assert ours.save_iteration == stock.save_iteration == 3
             for accelerator in (stock, ours):
                 accelerator.project_configuration.iteration -= 1  # the name of the last one, again
@@ -248,6 +287,7 @@ def test_automatic_checkpoint_naming_and_total_limit_as_stock(tmp_path: Path, ba
 
     saved = asyncio.run(run())
     assert names(ours) == names(stock) == ["checkpoint_2"]
+    assert os.listdir(ours.project_dir) == os.listdir(stock.project_dir) == ["checkpoints"]
     _step(model, opt, sched)
     ours.load_state()
     _assert_restored(model, opt, saved)
@@ -423,7 +463,7 @@ def test_a_save_killed_with_automatic_naming_leaves_nothing_that_load_state_take
     accelerator.project_configuration.iteration = 1
     with aiopersist.BlockingCheckpointer(backend=backend) as ck:
         save_state_blocking(accelerator, checkpointer=ck).wait()
-    assert os.listdir(staging) == []  # the leftovers are gone
+    assert not staging.exists()  # the leftovers are gone, and so is the place, emptied
     assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_0", "checkpoint_1"]
 
 

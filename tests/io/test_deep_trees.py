@@ -124,3 +124,63 @@ def test_scan_sizes_a_stock_checkpoint_holding_a_deep_tree(tmp_path: Path) -> No
     [info] = scan(str(tmp_path), layout=TRAINER_STEPS)
     assert (info.step, info.kind, info.complete) == (5, "stock", True)
     assert info.nbytes == 1000 + 2  # the tree's files are empty; the link is not followed
+
+
+# -- a work place exists only while work is in progress there -------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_work_place_goes_between_saves_and_comes_back_for_concurrent_ones(
+    tmp_path: Path, backend: str
+) -> None:
+    """A place `work_elsewhere` names is removed once the work in it is over (published
+    saves, deletions, a hook's staging), and made again by whoever works there next, also
+    when several saves, deletions and stagings race its removal: none of them fails."""
+    import asyncio
+    import threading
+
+    from aiopersist._manager import delete_step
+    from aiopersist._names import work_elsewhere
+    from aiopersist.integrations._common import files_written_by
+
+    base, place = tmp_path / "checkpoints", tmp_path / ".staging"
+    base.mkdir()
+    work_elsewhere(str(base), str(place))
+    try:
+        await aiopersist.save({"w": torch.zeros(8)}, base / "c0", backend=backend)
+        assert sorted(os.listdir(tmp_path)) == ["checkpoints"]  # the place went with the save
+        errors: list[BaseException] = []
+
+        def stage(i: int) -> None:
+            try:
+                for j in range(20):
+                    files = files_written_by(
+                        lambda d, j=j: Path(d, "f").write_bytes(b"%d" % j), str(base / f"h{i}")
+                    )
+                    assert files == {"f": b"%d" % j}
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        stagers = [threading.Thread(target=stage, args=(i,)) for i in range(2)]
+        for t in stagers:
+            t.start()
+        async with aiopersist.Checkpointer(backend=backend) as ck:
+            for round_ in range(6):
+                handles = [
+                    await ck.save({"w": torch.full((8,), float(i))}, base / f"c{round_}-{i}")
+                    for i in range(4)
+                ]
+                await asyncio.gather(*(h.done for h in handles))
+                await asyncio.to_thread(delete_step, str(base / f"c{round_}-0"))
+        for t in stagers:
+            t.join()
+        assert errors == []
+        assert sorted(os.listdir(tmp_path)) == ["checkpoints"]
+        assert len(os.listdir(base)) == 1 + 6 * 3
+        back = await aiopersist.load(base / "c5-3", backend=backend)
+        assert torch.equal(back["w"], torch.full((8,), 3.0))
+    finally:
+        from aiopersist import _names
+
+        _names._WORK_PLACES.pop(str(base), None)
