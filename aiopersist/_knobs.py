@@ -40,7 +40,8 @@ def staging_buffers() -> int:
 
 
 def shard_bytes() -> int:
-    """Largest safetensors file a save writes before starting the next (Hugging Face's 5 GB)."""
+    """Largest safetensors file a save writes before starting the next (5 GB, the default of
+    ``save_pretrained`` before transformers 5, which has 50 GB)."""
     return _env_int("AIOPERSIST_SHARD_BYTES", 5 * 1000**3)
 
 

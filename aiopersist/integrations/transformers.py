@@ -68,6 +68,7 @@ except ModuleNotFoundError as exc:
         name=exc.name,
     ) from exc
 
+from .. import _knobs
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode
 from .._commit import remove_path
@@ -291,7 +292,10 @@ class AioPersistCallback(TrainerCallback):
             log.warning("aiopersist: checkpoints saved by AioPersistCallback are not pushed to the Hub")
         if self._ckpt is None:
             self._ckpt = BlockingCheckpointer(
-                backend=self.backend, mode=self.mode, snapshot_bytes=self.snapshot_bytes
+                backend=self.backend,
+                mode=self.mode,
+                snapshot_bytes=self.snapshot_bytes,
+                max_shard_bytes=_stock_shard_bytes(),
             )
         self._settle_previous_run()
         if args.should_save and args.output_dir:
@@ -399,7 +403,7 @@ class AioPersistCallback(TrainerCallback):
             else:
                 # Under DDP process 0 writes alone, in a group of its own: no other rank takes part.
                 handle = self._ckpt.save(
-                    trainer.model,
+                    _model_save(trainer.model, path, files_too=False)[0],
                     path,
                     overwrite=True,
                     extra_files=files,
@@ -462,7 +466,7 @@ class AioPersistCallback(TrainerCallback):
         neither the model's files nor ``training_args.bin`` nor the tokenizer's)."""
         args, state = trainer.args, trainer.state
         sharded = self._sharded is not None
-        files: dict[str, bytes | TorchSave] = {} if sharded else _model_files(trainer.model)
+        files: dict[str, bytes | TorchSave] = {} if sharded else dict(_model_save(trainer.model, path)[1])
         if not args.save_only_model:
             if trainer.optimizer is not None and not sharded:
                 files["optimizer.pt"] = TorchSave(trainer.optimizer.state_dict())
@@ -619,20 +623,92 @@ def _export_callback_states(trainer: Trainer) -> None:
                 stateful[name] = cb.state()
 
 
-def _model_files(model: Any) -> dict[str, bytes | TorchSave]:
-    """``config.json`` and ``generation_config.json`` as ``save_pretrained`` writes them
-    (nothing for a model that is not a ``PreTrainedModel``: the stock save writes its
-    weights alone)."""
+def _stock_shard_bytes() -> int:
+    """The most bytes per weights file ``save_pretrained`` writes by default, as the stock
+    save calls it ("50GB" in transformers 5), unless ``AIOPERSIST_SHARD_BYTES`` says."""
+    if os.environ.get("AIOPERSIST_SHARD_BYTES"):
+        return _knobs.shard_bytes()
+    default = inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
+    if isinstance(default, int):
+        return default
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    return int(parse_size_to_int(default))
+
+
+def _model_save(model: Any, path: str, files_too: bool = True) -> tuple[object, dict[str, bytes | TorchSave]]:
+    """What the stock save writes for the model, as ``save_pretrained`` writes it: the
+    weights aiopersist writes (``None``: none), and the model's other files (with
+    ``files_too``).
+
+    - A ``PreTrainedModel``: the state dict ``save_pretrained`` writes, without the
+      ``_keys_to_ignore_on_save``, tied weights once under the name it keeps, and weight
+      conversions reverted (a Mixtral's fused experts back to ``experts.N.w1``...);
+      ``config.json`` (``auto_map`` and the model's code files for a custom-code model)
+      and ``generation_config.json``.
+    - A model that ``save_pretrained`` writes in another form (PEFT adapters, a
+      ``PeftModel``, a quantized or offloaded model), or a transformers without the
+      functions above: ``save_pretrained`` itself writes into a staging directory, and
+      its files (the adapter's small weights included) go into the checkpoint.
+    - Any other module: its weights, as the stock save writes its state dict alone."""
+    if _saved_by_itself(model):
+        if not files_too:
+            return None, {}
+        return None, dict(files_written_by(model.save_pretrained, path))
     if not isinstance(model, PreTrainedModel):
-        return {}
-    # save_pretrained records these in the model's own config before writing it.
-    config = cast(Any, model.config)
-    config.dtype = str(model.dtype).split(".")[1]
-    config.architectures = [type(model).__name__]
-    files: dict[str, bytes | TorchSave] = {"config.json": config.to_json_string().encode()}
-    if model.can_generate():
-        files["generation_config.json"] = cast(Any, model.generation_config).to_json_string().encode()
-    return files
+        return model, {}
+    files: dict[str, bytes | TorchSave] = {}
+    if files_too:
+        # save_pretrained records these in the model's own config before writing it.
+        config = cast(Any, model.config)
+        config.dtype = str(model.dtype).split(".")[1]
+        config.architectures = [type(model).__name__.removeprefix("FSDP")]
+
+        def write(directory: str) -> None:
+            # As save_pretrained, by the same calls: a custom-code model's code files (and
+            # auto_map in its config), the config, the generation config.
+            if model.is_remote_code():
+                from transformers.dynamic_module_utils import custom_object_save
+
+                custom_object_save(model, directory, config=config)
+            config.save_pretrained(directory)
+            if model.can_generate():
+                cast(Any, model.generation_config).save_pretrained(directory)
+
+        files.update(files_written_by(write, path))
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = model.state_dict()
+    for key in model._keys_to_ignore_on_save or ():
+        state.pop(key, None)
+    state = remove_tied_weights_from_state_dict(state, model)
+    return revert_weight_conversion(model, state), files
+
+
+def _saved_by_itself(model: Any) -> bool:
+    """Whether ``save_pretrained`` writes ``model`` in a form of its own, or this
+    transformers lacks what `_model_save` follows it with."""
+    if type(model).__name__ in ("PeftModel", "PeftModelForCausalLM") or any(
+        c.__module__.startswith("peft.") for c in type(model).__mro__
+    ):
+        return True
+    if not isinstance(model, PreTrainedModel):
+        return False
+    device_map = getattr(model, "hf_device_map", None) or {}
+    if (
+        getattr(model, "_hf_peft_config_loaded", False)
+        or getattr(model, "hf_quantizer", None) is not None
+        or "cpu" in device_map.values()
+        or "disk" in device_map.values()
+    ):
+        return True
+    try:
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: F401
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict  # noqa: F401
+    except ImportError:
+        return True
+    return False
 
 
 def _processing_files(processing_class: Any, path: str) -> dict[str, bytes | TorchSave]:
