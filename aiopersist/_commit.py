@@ -16,6 +16,7 @@ import ctypes
 import errno
 import os
 import re
+import stat
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -73,9 +74,11 @@ def _make_missing(path: str) -> None:
         try:
             os.mkdir(directory)
         except FileExistsError:
-            if not os.path.lexists(directory):  # made by another save, and released since
+            try:
+                is_directory = stat.S_ISDIR(os.stat(directory).st_mode)
+            except FileNotFoundError:  # made by another save, and released since
                 raise FileNotFoundError(errno.ENOENT, "made and removed meanwhile", directory) from None
-            if not os.path.isdir(directory):
+            if not is_directory:
                 raise from_os_error(
                     FileExistsError(errno.EEXIST, "exists and is not a directory"), "mkdir", directory
                 ) from None

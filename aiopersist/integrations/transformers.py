@@ -387,9 +387,13 @@ class AioPersistCallback(TrainerCallback):
         rng_files = self._gather_rng_states(args)  # every rank takes part; process 0 gets them
         if args.should_save or self._sharded is not None:
             files = None
+            weights: object = None
             if args.should_save:
                 _export_callback_states(trainer)
-                files = self._checkpoint_files(trainer, path, rng_files)
+                model_files: dict[str, bytes | TorchSave] = {}
+                if self._sharded is None:  # under FSDP the model is a DCP directory
+                    weights, model_files = _model_save(trainer.model, path)
+                files = self._checkpoint_files(trainer, path, rng_files, model_files)
             previous, self._handle = self._handle, None
             if previous is not None:
                 # The save would wait for it anyway (one in flight); its error is raised here.
@@ -403,7 +407,7 @@ class AioPersistCallback(TrainerCallback):
             else:
                 # Under DDP process 0 writes alone, in a group of its own: no other rank takes part.
                 handle = self._ckpt.save(
-                    _model_save(trainer.model, path, files_too=False)[0],
+                    weights,
                     path,
                     overwrite=True,
                     extra_files=files,
@@ -459,14 +463,18 @@ class AioPersistCallback(TrainerCallback):
             state.best_model_checkpoint = best
 
     def _checkpoint_files(
-        self, trainer: Trainer, path: str, rng_files: dict[str, bytes]
+        self,
+        trainer: Trainer,
+        path: str,
+        rng_files: dict[str, bytes],
+        model_files: dict[str, bytes | TorchSave],
     ) -> dict[str, bytes | TorchSave]:
         """Every file of the checkpoint but the weights, as the stock save writes them (under
         FSDP, where the model and the optimizer are DCP directories, the stock save writes
         neither the model's files nor ``training_args.bin`` nor the tokenizer's)."""
         args, state = trainer.args, trainer.state
         sharded = self._sharded is not None
-        files: dict[str, bytes | TorchSave] = {} if sharded else dict(_model_save(trainer.model, path)[1])
+        files = dict(model_files)  # the model's files but its weights (`_model_save`)
         if not args.save_only_model:
             if trainer.optimizer is not None and not sharded:
                 files["optimizer.pt"] = TorchSave(trainer.optimizer.state_dict())
@@ -636,10 +644,9 @@ def _stock_shard_bytes() -> int:
     return int(parse_size_to_int(default))
 
 
-def _model_save(model: Any, path: str, files_too: bool = True) -> tuple[object, dict[str, bytes | TorchSave]]:
+def _model_save(model: Any, path: str) -> tuple[object, dict[str, bytes | TorchSave]]:
     """What the stock save writes for the model, as ``save_pretrained`` writes it: the
-    weights aiopersist writes (``None``: none), and the model's other files (with
-    ``files_too``).
+    weights aiopersist writes (``None``: none), and the model's other files.
 
     - A ``PreTrainedModel``: the state dict ``save_pretrained`` writes, without the
       ``_keys_to_ignore_on_save``, tied weights once under the name it keeps, and weight
@@ -652,30 +659,25 @@ def _model_save(model: Any, path: str, files_too: bool = True) -> tuple[object, 
       its files (the adapter's small weights included) go into the checkpoint.
     - Any other module: its weights, as the stock save writes its state dict alone."""
     if _saved_by_itself(model):
-        if not files_too:
-            return None, {}
         return None, dict(files_written_by(model.save_pretrained, path))
     if not isinstance(model, PreTrainedModel):
         return model, {}
-    files: dict[str, bytes | TorchSave] = {}
-    if files_too:
-        # save_pretrained records these in the model's own config before writing it.
-        config = cast(Any, model.config)
-        config.dtype = str(model.dtype).split(".")[1]
-        config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    # save_pretrained records these in the model's own config before writing it.
+    config = cast(Any, model.config)
+    config.dtype = str(model.dtype).split(".")[1]
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
 
-        def write(directory: str) -> None:
-            # As save_pretrained, by the same calls: a custom-code model's code files (and
-            # auto_map in its config), the config, the generation config.
-            if model.is_remote_code():
-                from transformers.dynamic_module_utils import custom_object_save
+    def write(directory: str) -> None:
+        # As save_pretrained, by the same calls: a custom-code model's code files (and
+        # auto_map in its config), the config, the generation config.
+        if model.is_remote_code():
+            from transformers.dynamic_module_utils import custom_object_save
 
-                custom_object_save(model, directory, config=config)
-            config.save_pretrained(directory)
-            if model.can_generate():
-                cast(Any, model.generation_config).save_pretrained(directory)
+            custom_object_save(model, directory, config=config)
+        config.save_pretrained(directory)
+        if model.can_generate():
+            cast(Any, model.generation_config).save_pretrained(directory)
 
-        files.update(files_written_by(write, path))
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -683,7 +685,7 @@ def _model_save(model: Any, path: str, files_too: bool = True) -> tuple[object, 
     for key in model._keys_to_ignore_on_save or ():
         state.pop(key, None)
     state = remove_tied_weights_from_state_dict(state, model)
-    return revert_weight_conversion(model, state), files
+    return revert_weight_conversion(model, state), dict(files_written_by(write, path))
 
 
 def _saved_by_itself(model: Any) -> bool:

@@ -24,18 +24,10 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
-import aiopersist  # noqa: E402
 from aiopersist.integrations.transformers import AioPersistCallback  # noqa: E402
+from tests.conftest import BACKENDS  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-BACKENDS = [
-    pytest.param(
-        "io_uring",
-        marks=pytest.mark.skipif(not aiopersist.probe_io_uring().usable, reason="io_uring unavailable"),
-    ),
-    "threads",
-]
 
 
 def _checkpoint(out: Path, make: Callable[[], Any], data: list[dict[str, Any]], backend: str | None) -> Path:
@@ -189,10 +181,10 @@ def test_a_custom_code_model_is_saved_with_its_code_and_auto_map(tmp_path: Path,
     assert "modeling_aiopersist_tiny.py" in os.listdir(ours)
     assert set(json.loads((ours / "config.json").read_text())["auto_map"]) == {"AutoConfig", "AutoModel"}
     assert sorted(_tensors(ours / "model.safetensors")) == ["embed.weight"]
-    asyncio_verify = subprocess.run(
+    verify = subprocess.run(
         [sys.executable, "-m", "aiopersist", "verify", str(ours)], capture_output=True, text=True
     )
-    assert asyncio_verify.returncode == 0, asyncio_verify.stderr
+    assert verify.returncode == 0, verify.stderr
     load = (
         "from transformers import AutoModel; "
         f"m = AutoModel.from_pretrained({str(ours)!r}, trust_remote_code=True); print(type(m).__name__)"

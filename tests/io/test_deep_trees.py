@@ -16,14 +16,9 @@ import aiopersist
 from aiopersist._commit import remove_path
 from aiopersist._manager import scan
 from aiopersist._names import LOCK_NAME, TRAINER_STEPS
-from tests.conftest import URING_OK, deep_tree, mounted_tmpfs
+from tests.conftest import BACKENDS, deep_tree, mounted_tmpfs
 
 pytestmark = pytest.mark.usefixtures("deep_trees_removed")
-
-BACKENDS = [
-    "threads",
-    pytest.param("io_uring", marks=pytest.mark.skipif(not URING_OK, reason="io_uring unavailable")),
-]
 
 
 def test_remove_path_takes_a_tree_deeper_than_the_recursion_limit(tmp_path: Path) -> None:
