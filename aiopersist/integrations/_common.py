@@ -12,10 +12,11 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from .._backends import to_thread_to_the_end
 from .._commit import in_work_place, remove_path
 from .._dist import coordinator
 from .._manager import delete_step
@@ -23,6 +24,26 @@ from .._manifest import MAX_MEMBER_DEPTH
 from .._names import TMP_MARKER, work_place
 
 log = logging.getLogger("aiopersist")
+
+T = TypeVar("T")
+
+
+async def off_loop_as_caller(fn: Callable[..., T], /, *args: Any) -> T:
+    """``fn(*args)`` in a worker thread, awaited to its end, on the caller's current CUDA
+    device and stream: for the framework's own code that a save runs (state dicts, save
+    hooks, pickling, collectives) that must not hold the event loop's thread, and whose
+    GPU work must be ordered as if the caller had run it."""
+    stream = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        stream = torch.cuda.current_stream()
+
+    def run() -> T:
+        if stream is None:
+            return fn(*args)
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            return fn(*args)
+
+    return await to_thread_to_the_end(run)
 
 
 def torch_bytes(obj: object) -> bytes:

@@ -51,6 +51,7 @@ raise `ValueError`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import os
@@ -70,7 +71,7 @@ from .._dist import background_group, coordinator, process0_group
 from .._exceptions import CheckpointExistsError
 from .._names import TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
 from .._save import SaveInfo, TorchSave
-from ._common import delete_checkpoints, files_written_by, gather_objects, torch_bytes
+from ._common import delete_checkpoints, files_written_by, gather_objects, off_loop_as_caller, torch_bytes
 from ._fsdp import ShardedSave, ShardedSaver, check_plugin, fsdp_states
 
 log = logging.getLogger("aiopersist")
@@ -357,6 +358,33 @@ async def _as_handle(save: ShardedSave) -> SaveHandle:
     return SaveHandle(save.path, staged, done)
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """What a save writes, prepared as ``save_state`` prepares it (`_prepare`)."""
+
+    target: str
+    replace: bool
+    sharded: ShardedSave | None = None
+    """Under FSDP: the sharded save, already started."""
+    model_state: object = None
+    extra: dict[str, bytes | TorchSave] = dataclasses.field(default_factory=dict)
+    group: Any = None
+
+
+def _prepare(
+    accelerator: Any, checkpointer: Checkpointer, output_dir: Any, overwrite: bool, safe_serialization: bool
+) -> _Prepared:
+    """Where the checkpoint goes, the hooks run, the states taken and pickled (under FSDP
+    the sharded save started): everything of a save that runs Accelerate's and the user's
+    code, and the collectives (a barrier, the RNG states' gather). The asynchronous
+    `save_state` runs it in a worker thread, off the event loop."""
+    target, replace = _target(accelerator, output_dir, overwrite)
+    if _is_fsdp(accelerator):
+        return _Prepared(target, replace, sharded=_save_fsdp(accelerator, checkpointer, target, replace))
+    model_state, extra, group = _plan(accelerator, target, safe_serialization)
+    return _Prepared(target, replace, model_state=model_state, extra=extra, group=group)
+
+
 async def save_state(
     accelerator: Any,
     output_dir: str | os.PathLike[str] | None = None,
@@ -368,23 +396,25 @@ async def save_state(
     """Start an asynchronous ``accelerator.save_state(output_dir)``; see the module
     docstring. ``checkpointer`` does the saving (keep one for the whole run).
     ``safe_serialization=False`` writes the weights as ``save_state`` then does, with
-    ``torch.save`` into ``pytorch_model.bin`` (``pytorch_model_<i>.bin`` for more models)."""
+    ``torch.save`` into ``pytorch_model.bin`` (``pytorch_model_<i>.bin`` for more models).
+
+    The event loop's thread only orchestrates: the hooks, the state dicts, their pickling
+    and the collectives run in a worker thread (on the caller's CUDA device and stream)."""
     await asyncio.to_thread(_work_outside_checkpoints, accelerator)
     if _rotates(accelerator):
         await checkpointer.wait()  # the checkpoints in flight count, and are complete, before any goes
         await asyncio.to_thread(_drain_fsdp, checkpointer)
         await asyncio.to_thread(_delete_outdated, accelerator)  # the scan and deletions off the loop
-    target, replace = _target(accelerator, output_dir, overwrite)
-    if _is_fsdp(accelerator):
-        handle = await _as_handle(_save_fsdp(accelerator, checkpointer, target, replace))
-        accelerator.project_configuration.iteration += 1
-        return handle
-    model_state, extra, group = _plan(accelerator, target, safe_serialization)
-    if accelerator.process_index != 0:
-        handle = _done(target)
+    p = await off_loop_as_caller(
+        _prepare, accelerator, checkpointer, output_dir, overwrite, safe_serialization
+    )
+    if p.sharded is not None:
+        handle = await _as_handle(p.sharded)
+    elif accelerator.process_index != 0:
+        handle = _done(p.target)
     else:
         handle = await checkpointer.save(
-            model_state, target, overwrite=replace, extra_files=extra, group=group
+            p.model_state, p.target, overwrite=p.replace, extra_files=p.extra, group=p.group
         )
     accelerator.project_configuration.iteration += 1  # as save_state, on every process
     return handle
@@ -406,18 +436,17 @@ def save_state_blocking(
         checkpointer.wait()
         _drain_fsdp(checkpointer.checkpointer)
         _delete_outdated(accelerator)
-    target, replace = _target(accelerator, output_dir, overwrite)
-    if _is_fsdp(accelerator):
-        sharded = _save_fsdp(accelerator, checkpointer.checkpointer, target, replace)
-        handle = BlockingSaveHandle(checkpointer._portal, checkpointer._portal.call(_as_handle, sharded))
-        accelerator.project_configuration.iteration += 1
-        return handle
-    model_state, extra, group = _plan(accelerator, target, safe_serialization)
-    if accelerator.process_index != 0:
-        handle = BlockingSaveHandle(checkpointer._portal, checkpointer._portal.call(_done_async, target))
+    p = _prepare(accelerator, checkpointer.checkpointer, output_dir, overwrite, safe_serialization)
+    portal = checkpointer._portal
+    if p.sharded is not None:
+        handle = BlockingSaveHandle(portal, portal.call(_as_handle, p.sharded))
+    elif accelerator.process_index != 0:
+        handle = BlockingSaveHandle(portal, portal.call(_done_async, p.target))
     else:
-        handle = checkpointer.save(model_state, target, overwrite=replace, extra_files=extra, group=group)
-    accelerator.project_configuration.iteration += 1
+        handle = checkpointer.save(
+            p.model_state, p.target, overwrite=p.replace, extra_files=p.extra, group=p.group
+        )
+    accelerator.project_configuration.iteration += 1  # as save_state, on every process
     return handle
 
 

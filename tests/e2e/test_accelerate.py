@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,64 @@ def test_save_state_pre_hooks_are_called_and_what_they_write_is_saved(
     asyncio.run(aiopersist.verify(tmp_path / "ours"))
     _step(model, opt, sched)
     accelerator.load_state(str(tmp_path / "ours"))
+    _assert_restored(model, opt, saved)
+
+
+class _Recorder:
+    """Where the framework's code of a save runs: an object registered for checkpointing
+    and a save pre-hook record their thread; the hook also asks the event loop to set an
+    event and waits for it, which the loop can only do if the hook does not hold its
+    thread."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.threads: dict[str, int] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_ran = threading.Event()
+        self.loop_ran_during_hook = False
+        accelerator.register_for_checkpointing(self)
+        accelerator.register_save_state_pre_hook(self.hook)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.threads["state_dict"] = threading.get_ident()
+        return {"n": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert state == {"n": 1}
+
+    def hook(self, models: Any, weights: Any, output_dir: str) -> None:
+        self.threads["hook"] = threading.get_ident()
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self.loop_ran.set)
+        self.loop_ran_during_hook = self.loop_ran.wait(20)
+        Path(output_dir, "hook.txt").write_text("hooked")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_save_state_runs_hooks_and_state_dicts_off_the_event_loop(tmp_path: Path, backend: str) -> None:
+    """The event loop's thread only orchestrates: the save hooks, the state dicts and the
+    collectives of the asynchronous ``save_state`` run in a worker thread, so the loop
+    goes on meanwhile (a hook that waits for the loop is not deadlocked), and the
+    checkpoint is the one ``load_state`` restores."""
+    accelerator, model, opt, sched = _setup()
+    recorder = _Recorder(accelerator)
+    _step(model, opt, sched)
+    saved = _state(model, opt)
+
+    async def save() -> int:
+        loop_thread = threading.get_ident()
+        recorder.loop = asyncio.get_running_loop()
+        async with aiopersist.Checkpointer(backend=backend) as ck:
+            handle = await save_state(accelerator, tmp_path / "ck", checkpointer=ck)
+            await handle.done
+        return loop_thread
+
+    loop_thread = asyncio.run(save())
+    assert recorder.loop_ran_during_hook
+    assert loop_thread not in recorder.threads.values()
+    assert set(recorder.threads) == {"hook", "state_dict"}
+    assert (tmp_path / "ck" / "hook.txt").read_text() == "hooked"
+    _step(model, opt, sched)
+    accelerator.load_state(str(tmp_path / "ck"))
     _assert_restored(model, opt, saved)
 
 
