@@ -48,6 +48,7 @@ from ._retention import KeepLast as KeepLast
 from ._retention import KeepSteps as KeepSteps
 from ._retention import Retention as Retention
 from ._rng import RNGState as RNGState
+from ._save import SafetensorsSave as SafetensorsSave
 from ._save import SaveInfo as SaveInfo
 from ._save import TorchSave as TorchSave
 from ._save import save as save
@@ -91,6 +92,7 @@ __all__ = [
     "StagingPool",
     "StateMismatchError",
     "StepInfo",
+    "SafetensorsSave",
     "TorchSave",
     "UnsupportedStateError",
     "UringCause",

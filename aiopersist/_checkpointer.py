@@ -40,6 +40,7 @@ from ._flatten import Flattened, StoredTensor
 from ._locate import PathArg, checkpoint_paths
 from ._save import (
     ExtraFiles,
+    SafetensorsSave,
     SaveInfo,
     TorchSave,
     check_save_arguments,
@@ -504,7 +505,8 @@ def _is_namedtuple(cls: type) -> bool:
 
 @dataclass(frozen=True)
 class _ExtraTensors:
-    """The `TorchSave` extra files as snapshot mode and the CUDA events see them."""
+    """The `TorchSave` and `SafetensorsSave` extra files as snapshot mode and the CUDA
+    events see them."""
 
     tensors: list[torch.Tensor]
     """The tensors of the rebuildable ones, each once: copied one by one."""
@@ -519,7 +521,10 @@ def _extra_tensors(extra_files: ExtraFiles | None) -> _ExtraTensors:
     found: dict[int, torch.Tensor] = {}
     whole: list[str] = []
     for name, content in (extra_files or {}).items():
-        if isinstance(content, TorchSave):
+        if isinstance(content, SafetensorsSave):
+            for t in content.tensors.values():
+                found.setdefault(id(t), t)
+        elif isinstance(content, TorchSave):
             mine: dict[int, torch.Tensor] = {}
             if _rebuildable(content.obj, mine):
                 for key, t in mine.items():
@@ -635,6 +640,8 @@ async def _take_snapshot(
             if name in sinks
             else TorchSave(_with_copies(c.obj, copies))
             if isinstance(c, TorchSave)
+            else SafetensorsSave({k: copies.get(id(t), t) for k, t in c.tensors.items()}, c.metadata)
+            if isinstance(c, SafetensorsSave)
             else c
             for name, c in extra_files.items()
         }
@@ -657,7 +664,7 @@ def _copy_all(jobs: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool = Fals
     of GPUs are queued without waiting on the current streams, then waited for together."""
     devices: set[torch.device] = set()
     for dst, src in jobs:
-        if src.device.type == "cpu" and src.is_contiguous():
+        if src.device.type == "cpu" and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
             copy_bytes(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
         elif src.is_cuda and pinned:
             dst.copy_(src, non_blocking=True)

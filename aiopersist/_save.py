@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import datetime
 import errno
+import itertools
 import json
 import os
 import pickle
@@ -53,7 +54,7 @@ from ._direct import DirectIOInfo, probe_directory
 from ._dist import Coordinator, coordinator
 from ._exceptions import CheckpointCorruptError, UnsupportedStateError, maps_os_errors
 from ._flatten import Flattened, flatten
-from ._format import dtype_from_name
+from ._format import dtype_from_name, layout_file, supported_dtype
 from ._locate import PathArg, checkpoint_paths, own_parts, token_at
 from ._manifest import (
     FileRecord,
@@ -114,7 +115,79 @@ class TorchSave:
     obj: object
 
 
-ExtraFiles = Mapping[str, "bytes | TorchSave"]
+@dataclass(frozen=True)
+class SafetensorsSave:
+    """Tensors to write as a safetensors file into a checkpoint, as
+    ``safetensors.torch.save_file(tensors, path, metadata)`` writes them (a second model's
+    ``model_1.safetensors``): any safetensors reader reads it.
+
+    Streamed, as the checkpoint's own tensors: their bytes go from the tensors (CPU or
+    GPU, contiguous or not) through the staging buffers to the disk, with no copy of the
+    whole in memory; a `Checkpointer`'s ``staged`` waits for them in fence mode, and
+    snapshot mode copies them. The file is checksummed whole in the manifest.
+
+    Refused before anything is written, with the name of the file and of the tensor: a
+    name that is not a ``str``, a value that is not a tensor, a dtype safetensors has no
+    name for, a sparse or otherwise not strided tensor, and two tensors that share memory
+    (as ``save_file`` refuses them: keep one name, as Accelerate's
+    ``clean_state_dict_for_safetensors`` does). Lazy conjugate and negative views are
+    written with their values.
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    metadata: Mapping[str, str] | None = None
+
+
+ExtraFiles = Mapping[str, "bytes | TorchSave | SafetensorsSave"]
+
+
+def safetensors_parts(content: SafetensorsSave, name: str) -> list[bytes | torch.Tensor]:
+    """What `SafetensorsSave` ``content`` writes to the file ``name``: the header, then each
+    tensor; ``TypeError``/``ValueError`` naming what cannot be written. No tensor's data is
+    read (a conjugate or negative view is resolved: a copy of that tensor alone)."""
+    what = f"extra_files: {name!r}"
+    if not isinstance(content.tensors, Mapping):
+        raise TypeError(f"{what}: SafetensorsSave takes a mapping of names to tensors")
+    tensors: list[torch.Tensor] = []
+    described: list[tuple[str, torch.dtype, Sequence[int]]] = []
+    spans: list[tuple[str, int, int, str]] = []
+    for key, t in content.tensors.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{what}: a tensor name must be a str, got {key!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: {key!r} is a {type(t).__name__}, not a tensor")
+        if t.layout != torch.strided or t.is_nested or t.device.type not in ("cpu", "cuda"):
+            raise TypeError(
+                f"{what}: {key!r} is a {t.layout} tensor on {t.device}: safetensors holds dense "
+                "CPU or GPU tensors"
+            )
+        if not supported_dtype(t.dtype):
+            raise TypeError(f"{what}: {key!r} has dtype {t.dtype}, which safetensors cannot hold")
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()  # their bytes are not their values
+        if t.numel():
+            lo = t.data_ptr()
+            spans.append((str(t.device), lo, lo + _span_bytes(t), key))
+        tensors.append(t)
+        described.append((key, t.dtype, tuple(t.shape)))
+    spans.sort()
+    for (dev, _, hi, first), (dev2, lo, _, second) in itertools.pairwise(spans):
+        if dev == dev2 and lo < hi:
+            raise ValueError(
+                f"{what}: {first!r} and {second!r} share memory, which safetensors cannot hold: "
+                "keep one of them"
+            )
+    try:
+        layout = layout_file(described, content.metadata)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{what}: {exc}") from None
+    return [layout.header, *tensors]
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """How many bytes from its first element a (non-empty) strided tensor reaches."""
+    last = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
 
 
 class _TorchSaveSink:
@@ -245,7 +318,7 @@ async def write_extra_files(
     files: ExtraFiles,
     written: Callable[[], None] | None = None,
 ) -> list[FileRecord]:
-    """Write ``files`` (name → ``bytes`` or `TorchSave`) into ``directory``, making the
+    """Write ``files`` (name → ``bytes``, `TorchSave` or `SafetensorsSave`) into ``directory``, making the
     subdirectories their names hold (durably: their entries are fsynced once written, the
     directory's own are the caller's); their records, named by their paths. ``written``
     is called once per file, as by `write_file`."""
@@ -255,6 +328,8 @@ async def write_extra_files(
     done = await run_all(
         write_torch_save(be, os.path.join(directory, n), dio, pool, c.obj, written, name=n)
         if isinstance(c, TorchSave)
+        else write_file(be, os.path.join(directory, n), dio, pool, safetensors_parts(c, n), written, name=n)
+        if isinstance(c, SafetensorsSave)
         else write_file(be, os.path.join(directory, n), dio, pool, [c], written, name=n)
         for n, c in files.items()
     )
@@ -298,6 +373,9 @@ def check_save_arguments(
         if ranks > 1 or len(paths) > 1:
             raise ValueError("extra_files: only for a save by one process into one directory")
         check_file_names(extra_files, (PICKLE_FILE, MANIFEST_NAME, MODEL_INDEX), "extra_files")
+        for name, content in extra_files.items():
+            if isinstance(content, SafetensorsSave):
+                safetensors_parts(content, name)  # refused before anything is written
 
 
 def check_file_names(names: Iterable[str], reserved: Sequence[str], what: str) -> None:
@@ -383,8 +461,9 @@ async def save(
     DTensors (FSDP2) are written by their owners as slices of one tensor. Anything else is
     this rank's own. `SaveInfo.bytes_written` is what this rank wrote.
 
-    ``extra_files`` maps file names to ``bytes`` or a [`TorchSave`][aiopersist.TorchSave]
-    to write beside the data (a ``config.json``, an ``optimizer.pt``): published with the
+    ``extra_files`` maps file names to ``bytes``, a [`TorchSave`][aiopersist.TorchSave] or
+    a [`SafetensorsSave`][aiopersist.SafetensorsSave] to write beside the data (a
+    ``config.json``, an ``optimizer.pt``, a second model's weights): published with the
     checkpoint, checksummed, listed in its manifest. A name may put its file in
     subdirectories (``templates/chat.jinja``). One process and one directory only.
     """

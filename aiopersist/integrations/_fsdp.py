@@ -61,12 +61,12 @@ from .._manifest import (
     safe_file_name,
 )
 from .._names import MANIFEST_NAME
-from .._save import SaveInfo, TorchSave, check_file_names, write_extra_files, write_file
+from .._save import SafetensorsSave, SaveInfo, TorchSave, check_file_names, write_extra_files, write_file
 from .._staging import StagingPool
 from .._workers import DaemonThreadPool
 from .dcp import AiopersistWriter, _dcp_manifest, _Fence, _new_fence, _on_engine
 
-Files = Mapping[str, "bytes | TorchSave"]
+Files = Mapping[str, "bytes | TorchSave | SafetensorsSave"]
 
 
 class ShardedSave:

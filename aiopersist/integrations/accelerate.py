@@ -5,8 +5,9 @@ what ``accelerator.save_state`` writes, in Accelerate's own layout, so that
 ``accelerator.load_state("ckpt/step-100")`` restores it:
 
 - ``model.safetensors``: the prepared model's state dict (``get_state_dict(model,
-  unwrap=False)``, as ``save_state`` takes it); with ``safe_serialization=False``,
-  ``torch.save`` of each model's into ``pytorch_model.bin``, ``pytorch_model_1.bin``...;
+  unwrap=False)``, as ``save_state`` takes it), and ``model_1.safetensors``... for more
+  models (`SafetensorsSave`); with ``safe_serialization=False``, ``torch.save`` of each
+  model's into ``pytorch_model.bin``, ``pytorch_model_1.bin``...;
 - ``optimizer.bin``, ``scheduler.bin``: ``torch.save`` of their state dicts (the
   optimizer's streamed through the engine);
 - ``random_states_<rank>.pkl`` for every process;
@@ -70,7 +71,7 @@ from .._commit import make_directories, mount_of, remove_path
 from .._dist import background_group, coordinator, process0_group
 from .._exceptions import CheckpointExistsError
 from .._names import TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
-from .._save import SaveInfo, TorchSave
+from .._save import SafetensorsSave, SaveInfo, TorchSave
 from ._common import delete_checkpoints, files_written_by, gather_objects, off_loop_as_caller, torch_bytes
 from ._fsdp import ShardedSave, ShardedSaver, check_plugin, fsdp_states
 
@@ -238,7 +239,7 @@ def _run_save_hooks(accelerator: Any, weights: list[dict[str, Any]], target: str
 
 def _plan(
     accelerator: Any, target: str, safe_serialization: bool
-) -> tuple[object, dict[str, bytes | TorchSave], Any]:
+) -> tuple[object, dict[str, bytes | TorchSave | SafetensorsSave], Any]:
     """The model's state dict (``None`` with ``safe_serialization=False``: the weights go
     into ``pytorch_model.bin``), the other files, and the group process 0 saves in."""
     from accelerate.utils import DistributedType  # type: ignore[import-untyped]
@@ -250,7 +251,7 @@ def _plan(
         )
     weights = [accelerator.get_state_dict(model, unwrap=False) for model in accelerator._models]
     hooked = _run_save_hooks(accelerator, weights, target)
-    extra: dict[str, bytes | TorchSave] = dict(hooked)
+    extra: dict[str, bytes | TorchSave | SafetensorsSave] = dict(hooked)
     # With no weights left (the hooks saved them), there is no data file: the checkpoint
     # holds what save_state writes.
     model_state: object = None
@@ -259,12 +260,6 @@ def _plan(
         # pytorch_model_1.bin..., streamed through the engine; over a hook's file of that name.
         for i, state in enumerate(weights):
             extra["pytorch_model.bin" if i == 0 else f"pytorch_model_{i}.bin"] = TorchSave(state)
-    elif len(weights) > 1:
-        raise ValueError(
-            f"aiopersist's save_state writes one model's weights in safetensors; {len(weights)} are left "
-            "to write (pass safe_serialization=False to write each to pytorch_model_<i>.bin as "
-            "save_state does, or let a save_state pre-hook save the others and take them out of the list)"
-        )
     elif weights:
         model_state = weights[0]
         # save_state writes the weights after the hooks: over a file of theirs of that name.
@@ -275,6 +270,14 @@ def _plan(
             raise ValueError(
                 f"the model's state is {nbytes} bytes, more than one safetensors file holds here "
                 f"({_knobs.shard_bytes()}); set AIOPERSIST_SHARD_BYTES above it"
+            )
+        # The other models: model_1.safetensors, model_2.safetensors..., each as Accelerate's
+        # save writes it (the names of shared tensors but the first dropped), streamed.
+        from accelerate.utils.other import clean_state_dict_for_safetensors  # type: ignore[import-untyped]
+
+        for i, state in enumerate(weights[1:], start=1):
+            extra[f"model_{i}.safetensors"] = SafetensorsSave(
+                clean_state_dict_for_safetensors(state), {"format": "pt"}
             )
     for i, opt in enumerate(accelerator._optimizers):
         extra["optimizer.bin" if i == 0 else f"optimizer_{i}.bin"] = TorchSave(opt.state_dict())
@@ -287,11 +290,11 @@ def _plan(
     return model_state, extra, group
 
 
-def _state_files(accelerator: Any) -> dict[str, bytes | TorchSave]:
+def _state_files(accelerator: Any) -> dict[str, bytes | TorchSave | SafetensorsSave]:
     """What ``save_accelerator_state`` writes beside the models and optimizers: the
     schedulers, samplers, data loader states, the scaler, the custom objects and every
     process's RNG states (gathered: a collective, every process calls it)."""
-    extra: dict[str, bytes | TorchSave] = {}
+    extra: dict[str, bytes | TorchSave | SafetensorsSave] = {}
     for i, sched in enumerate(accelerator._schedulers):
         extra["scheduler.bin" if i == 0 else f"scheduler_{i}.bin"] = torch_bytes(sched.state_dict())
     for i, loader in enumerate(accelerator._dataloaders):
@@ -334,7 +337,7 @@ def _save_fsdp(accelerator: Any, checkpointer: Checkpointer, target: str, overwr
     plugin = check_plugin(accelerator.state.fsdp_plugin, "aiopersist's save_state")
     hooked = _run_save_hooks(accelerator, [], target)  # as save_state: under FSDP no weights
     states = fsdp_states(accelerator._models, accelerator._optimizers, plugin)
-    extra: dict[str, bytes | TorchSave] = {**hooked, **_state_files(accelerator)}
+    extra: dict[str, bytes | TorchSave | SafetensorsSave] = {**hooked, **_state_files(accelerator)}
     saver = _savers.get(checkpointer)
     if saver is None:
         coord = coordinator()
@@ -367,7 +370,7 @@ class _Prepared:
     sharded: ShardedSave | None = None
     """Under FSDP: the sharded save, already started."""
     model_state: object = None
-    extra: dict[str, bytes | TorchSave] = dataclasses.field(default_factory=dict)
+    extra: dict[str, bytes | TorchSave | SafetensorsSave] = dataclasses.field(default_factory=dict)
     group: Any = None
 
 

@@ -245,42 +245,70 @@ def test_async_save_state_runs_hooks_and_state_dicts_off_the_event_loop(tmp_path
     _assert_restored(model, opt, saved)
 
 
+class _Tied(torch.nn.Module):
+    """Two layers sharing one weight (as a language model's embedding and head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 8)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+
+def _load_weights(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, weights_only=True)  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_safe_serialization_false_writes_pytorch_model_bin_per_model_as_stock(
-    tmp_path: Path, backend: str
+@pytest.mark.parametrize("safe_serialization", [True, False], ids=["safetensors", "torch-save"])
+def test_several_models_are_written_one_file_each_as_stock(
+    tmp_path: Path, backend: str, safe_serialization: bool
 ) -> None:
-    """``save_state(safe_serialization=False)`` writes each model's state dict with
-    ``torch.save``, ``pytorch_model.bin`` then ``pytorch_model_1.bin``: the same files as
-    the stock save (plus the manifest, and no data file of aiopersist's), the same
-    contents, restored by ``load_state``. With safetensors two models are refused."""
+    """With three models (two of them with tied weights), ``save_state`` writes
+    ``model.safetensors``, ``model_1.safetensors``, ``model_2.safetensors`` (with
+    ``safe_serialization=False``: ``pytorch_model.bin``, ``pytorch_model_1.bin``...): the
+    same files as the stock save (plus the manifest), the same tensors under the same
+    names (the alias of a tied weight dropped from a safetensors file, as stock drops
+    it), restored by ``load_state``."""
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True)
-    first = torch.nn.Linear(8, 8)
-    second = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
-    opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
-    first, second, opt = accelerator.prepare(first, second, opt)
-    second(first(torch.randn(3, 8))).sum().backward()
+    models = [_Tied(), torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)), _Tied()]
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    *models, opt = accelerator.prepare(*models, opt)
+    x = torch.randn(3, 8)
+    (models[1](models[0](x)).sum() + models[2](x).sum()).backward()
     opt.step()
-    saved = {f"{i}.{k}": v.clone() for i, m in enumerate((first, second)) for k, v in m.state_dict().items()}
-    accelerator.save_state(str(tmp_path / "stock"), safe_serialization=False)
+    saved = {f"{i}.{k}": v.clone() for i, m in enumerate(models) for k, v in m.state_dict().items()}
+    accelerator.save_state(str(tmp_path / "stock"), safe_serialization=safe_serialization)
     with aiopersist.BlockingCheckpointer(backend=backend) as ck:
-        save_state_blocking(accelerator, tmp_path / "ours", checkpointer=ck, safe_serialization=False).wait()
-        with pytest.raises(ValueError, match="safe_serialization=False"):
-            save_state_blocking(accelerator, tmp_path / "refused", checkpointer=ck)
-    assert not (tmp_path / "refused").exists()
+        save_state_blocking(
+            accelerator, tmp_path / "ours", checkpointer=ck, safe_serialization=safe_serialization
+        ).wait()
     assert _tree(tmp_path / "ours") - {"aiopersist.json"} == _tree(tmp_path / "stock")
-    assert {"pytorch_model.bin", "pytorch_model_1.bin"} <= _tree(tmp_path / "ours")
-    for name in ("pytorch_model.bin", "pytorch_model_1.bin"):
-        stock = torch.load(tmp_path / "stock" / name, weights_only=True)
-        ours = torch.load(tmp_path / "ours" / name, weights_only=True)
-        assert stock.keys() == ours.keys()
-        assert all(torch.equal(stock[k], ours[k]) for k in stock)
+    names = (
+        ["model.safetensors", "model_1.safetensors", "model_2.safetensors"]
+        if safe_serialization
+        else ["pytorch_model.bin", "pytorch_model_1.bin", "pytorch_model_2.bin"]
+    )
+    assert set(names) <= _tree(tmp_path / "ours")
+    for name in names:
+        stock = _load_weights(tmp_path / "stock" / name)
+        ours = _load_weights(tmp_path / "ours" / name)
+        assert stock.keys() == ours.keys(), name
+        assert all(torch.equal(stock[k], ours[k]) for k in stock), name
     asyncio.run(aiopersist.verify(tmp_path / "ours"))
     with torch.no_grad():
-        for p in [*first.parameters(), *second.parameters()]:
+        for p in opt.param_groups[0]["params"]:
             p.zero_()
     accelerator.load_state(str(tmp_path / "ours"))
-    got = {f"{i}.{k}": v for i, m in enumerate((first, second)) for k, v in m.state_dict().items()}
+    got = {f"{i}.{k}": v for i, m in enumerate(models) for k, v in m.state_dict().items()}
     assert all(torch.equal(got[k], v) for k, v in saved.items())
 
 
