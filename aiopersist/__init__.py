@@ -32,6 +32,7 @@ from ._exceptions import CheckpointNotFoundError as CheckpointNotFoundError
 from ._exceptions import ClosedError as ClosedError
 from ._exceptions import DirectoryInUseError as DirectoryInUseError
 from ._exceptions import DiskFullError as DiskFullError
+from ._exceptions import NewerFormatError as NewerFormatError
 from ._exceptions import RankFailedError as RankFailedError
 from ._exceptions import StateMismatchError as StateMismatchError
 from ._exceptions import UnsupportedStateError as UnsupportedStateError
@@ -75,6 +76,7 @@ __all__ = [
     "DirectIOInfo",
     "DirectoryInUseError",
     "DiskFullError",
+    "NewerFormatError",
     "FileWriter",
     "IOBackend",
     "KeepAll",

@@ -84,6 +84,12 @@ class CheckpointCorruptError(AiopersistError, ValueError):
     """What is on disk is not a valid checkpoint: the message names the file and the fault."""
 
 
+class NewerFormatError(CheckpointCorruptError):
+    """The checkpoint was written in a format version newer than this aiopersist reads:
+    not damaged, only unreadable here (upgrade aiopersist). Retention, ``gc`` and the
+    Trainer's rotation never delete such a checkpoint as broken."""
+
+
 class UnsupportedStateError(AiopersistError, TypeError):
     """The object to save contains something aiopersist cannot store; names its path."""
 

@@ -66,6 +66,7 @@ from ._exceptions import (
     CheckpointNotFoundError,
     ClosedError,
     DirectoryInUseError,
+    NewerFormatError,
     from_os_error,
     maps_os_errors,
     typed_error,
@@ -81,7 +82,6 @@ from ._names import (
     OLD_MARKER,
     PART_RE,
     STEP_LAYOUTS,
-    STEP_RE,
     TRASH_MARKER,
     StepLayout,
     beside,
@@ -195,6 +195,11 @@ class StepInfo:
     kind: str = "aiopersist"
     """``aiopersist``, or ``stock`` for a checkpoint without a manifest that its
     framework's own save wrote (see `StepLayout.stock_file`)."""
+    damaged: bool = False
+    """Incomplete, and proven broken (no manifest, a file missing or of the wrong size, a
+    manifest that fails its checks): the only incomplete checkpoints that ``gc`` and the
+    Trainer's rotation delete. One that could not be told (a newer format, an I/O error,
+    a manifest recording another step than its name) is reported and left alone."""
 
 
 def check_step(path: PathArg) -> tuple[bool, int, str | None]:
@@ -202,16 +207,36 @@ def check_step(path: PathArg) -> tuple[bool, int, str | None]:
     with its size), its size, and what is wrong otherwise. Reads no tensor data. ``path``
     may be the list of directories it was saved to (its parts are then looked for there).
     Never raises for a damaged checkpoint: whatever is wrong is the answer."""
+    complete, nbytes, problem, _ = _check_step(path)
+    return complete, nbytes, problem
+
+
+def _check_step(path: PathArg, step: int | None = None) -> tuple[bool, int, str | None, bool]:
+    """`check_step`, and whether an incomplete checkpoint is proven damaged (see
+    `StepInfo.damaged`). With ``step``, a manifest that records another step (a copy put
+    under another name) is not taken for it."""
     try:
         loc = locate(path)
-    except AiopersistError as exc:
-        return False, 0, str(exc)
-    except Exception as exc:  # whatever it is, a damaged step is reported, never stops a listing
+    except NewerFormatError as exc:
+        return False, 0, str(exc), False
+    except CheckpointCorruptError as exc:
+        return False, 0, str(exc), True
+    except AiopersistError as exc:  # an I/O error (permissions, descriptors): not proof of damage
+        return False, 0, str(exc), False
+    except Exception as exc:  # whatever it is, it is reported, never stops a listing
         log.debug("aiopersist: checking %s raised", path, exc_info=True)
-        return False, 0, f"{type(exc).__name__}: {exc}"
+        return False, 0, f"{type(exc).__name__}: {exc}", False
     if loc.manifest is None:
-        return False, 0, f"no {MANIFEST_NAME}"
-    return True, sum(loc.sizes.values()), None
+        return False, 0, f"no {MANIFEST_NAME}", True
+    recorded = loc.manifest.metadata.get("step")
+    if step is not None and recorded is not None and recorded != str(step):
+        return (
+            False,
+            0,
+            f"its manifest records step {recorded!r}, not {step} (a copy under another name?)",
+            False,
+        )
+    return True, sum(loc.sizes.values()), None, False
 
 
 def step_paths(directories: Sequence[str], name: str) -> list[str]:
@@ -246,8 +271,8 @@ def scan(
         if layout.stock_file is not None and not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
             out.append(_stock_step(step, path, tier, layout.stock_file))
             continue
-        complete, nbytes, problem = check_step(step_paths(dirs, name))
-        out.append(StepInfo(step, path, tier, complete, nbytes, problem))
+        complete, nbytes, problem, damaged = _check_step(step_paths(dirs, name), step)
+        out.append(StepInfo(step, path, tier, complete, nbytes, problem, damaged=damaged))
     return sorted(out, key=lambda s: s.step)
 
 
@@ -255,7 +280,9 @@ def _stock_step(step: int, path: str, tier: str, stock_file: str) -> StepInfo:
     """A checkpoint its framework's own save wrote: complete once ``stock_file`` (written
     last) is there, its size that of every regular file under it (links not followed)."""
     if not os.path.isfile(os.path.join(path, stock_file)):
-        return StepInfo(step, path, tier, False, 0, f"no {MANIFEST_NAME} nor {stock_file}", "stock")
+        return StepInfo(
+            step, path, tier, False, 0, f"no {MANIFEST_NAME} nor {stock_file}", "stock", damaged=True
+        )
     return StepInfo(step, path, tier, True, _tree_bytes(path), None, "stock")
 
 
@@ -329,7 +356,7 @@ def clean_leftovers(directories: Sequence[str]) -> list[str]:
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(extra):
                 step_dir = os.path.join(extra, name)
-                if STEP_RE.match(name) is None or not _is_real_directory(step_dir):
+                if MANAGER_STEPS.step_of(name) is None or not _is_real_directory(step_dir):
                     continue
                 checkpoint = os.path.join(primary, name)
                 if os.path.lexists(checkpoint):
@@ -621,7 +648,11 @@ class CheckpointManager:
             raise TypeError(f"step must be a non-negative int, got {step!r}")
         loop = asyncio.get_running_loop()
         paths = [os.path.join(d, step_name(step)) for d in self.directories]
-        meta = {"step": str(step), **(metadata or {})}
+        if metadata is not None and metadata.get("step", str(step)) != str(step):
+            raise ValueError(
+                f"metadata: 'step' is the manager's ({step}), got {metadata['step']!r}: name it otherwise"
+            )
+        meta = {**(metadata or {}), "step": str(step)}
         self._writing.add(step)
         try:
             handle = await self.checkpointer.save(
@@ -655,7 +686,7 @@ class CheckpointManager:
             if info is None or not _is_rank0():
                 _resolve(mirrored, None)
                 return
-            await asyncio.to_thread(self._retain, self.directories, self.retention, "local")
+            await asyncio.to_thread(self._retain, self.directories, self.retention, "local", managed.step)
             if self.mirror is None:
                 _resolve(mirrored, None)
                 return
@@ -671,7 +702,7 @@ class CheckpointManager:
                 _fail_quietly(mirrored, exc)
                 return
             # Steps that waited to be mirrored were spared by the local retention above.
-            await asyncio.to_thread(self._retain, self.directories, self.retention, "local")
+            await asyncio.to_thread(self._retain, self.directories, self.retention, "local", managed.step)
             path = os.path.join(self.mirror, step_name(managed.step))
             there = await asyncio.to_thread(os.path.isdir, path)  # absent: the mirror's retention dropped it
             _resolve(mirrored, path if there else None)
@@ -679,15 +710,22 @@ class CheckpointManager:
             _fail_quietly(mirrored, exc)
             raise
 
-    def _retain(self, directories: Sequence[str], policy: Retention, tier: str) -> None:
+    def _retain(
+        self, directories: Sequence[str], policy: Retention, tier: str, committed: int | None = None
+    ) -> None:
+        """Apply ``policy`` to the complete steps in ``directories``; never to one being
+        written, mirrored or read, nor to ``committed`` (the step whose commit this pass
+        follows: a save is never deleted by its own retention, even below a higher step)."""
         complete = [s for s in scan(directories, tier) if s.complete]
         protected = (
             set(self._writing)
             | set(self._mirroring)
             | {s.step for s in complete if os.path.normpath(s.path) in self._reading}
+            | ({committed} if committed is not None else set())
         )
+        names = {s.step: os.path.basename(s.path) for s in complete}
         for step in to_delete([s.step for s in complete], policy, protected):
-            paths = step_paths(directories, step_name(step))
+            paths = step_paths(directories, names[step])
             log.info("aiopersist: retention deletes %s", paths[0])
             delete_step(paths)
 

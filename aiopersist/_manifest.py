@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import xxhash
 
-from ._exceptions import CheckpointCorruptError
+from ._exceptions import CheckpointCorruptError, NewerFormatError
 from ._flatten import ViewSpec, dtype_of
 from ._format import DTYPES, dtype_name
 from ._names import MANIFEST_NAME, PART_RE
@@ -539,7 +539,7 @@ def _parse_manifest(raw: bytes, where: str) -> Manifest:
     if not isinstance(version, int) or isinstance(version, bool):
         raise CheckpointCorruptError(f"{where}: format version {_short(version)} is not a number")
     if version > VERSION:
-        raise CheckpointCorruptError(
+        raise NewerFormatError(
             f"{where}: format version {version} is newer than this aiopersist reads ({VERSION}); upgrade"
         )
     if version < 1:

@@ -49,9 +49,13 @@ PROBE_PREFIX = ".aiopersist-probe-"
 LOCK_NAME = ".aiopersist-manager.lock"
 
 PART_PREFIX = "part-"
-PART_RE = re.compile(rf"^{PART_PREFIX}([0-9a-f]{{8,64}})$")
-STEP_RE = re.compile(r"^step-(\d+)$")
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+PART_RE = re.compile(rf"^{PART_PREFIX}([0-9a-f]{{8,64}})\Z")
+STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)", re.ASCII)
+CHECKPOINT_RE = re.compile(r"checkpoint-(0|[1-9][0-9]*)", re.ASCII)
+"""Step names are canonical: ASCII digits, no leading zero, nothing after them (matched
+whole: ``step-03``, a step in another script's digits, or ``step-3`` and a newline would
+read as step 3, while ``step_name(3)`` is another directory). Other names are not steps:
+never counted, never deleted."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class StepLayout:
 
     def step_of(self, name: str) -> int | None:
         """The step ``name`` is the checkpoint of, or ``None`` when it is no such name."""
-        m = self.pattern.match(name)
+        m = self.pattern.fullmatch(name)
         return int(m.group(1)) if m is not None else None
 
     def step_at(self, path: str) -> int | None:

@@ -829,7 +829,7 @@ def _gc(args: argparse.Namespace) -> int:
 def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
     from .._locate import read_manifest
     from .._manager import clean_leftovers, delete_step, scan, step_paths
-    from .._names import TRAINER_STEPS, step_name
+    from .._names import TRAINER_STEPS
     from .._retention import policy_of, to_delete
 
     directory = directories[0]
@@ -847,7 +847,7 @@ def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
             [c.step for c in ckpts if c.complete],
             policy_of(args.keep_last, args.keep_every, best=best),
             protected=() if best is None else (best,),
-            incomplete=[c.step for c in ckpts if not c.complete] if retention else (),
+            incomplete=[c.step for c in ckpts if not c.complete and c.damaged] if retention else (),
         )
     )
     doomed_ckpts = [c for c in ckpts if c.step in gone]
@@ -878,7 +878,7 @@ def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
         if doomed_steps or doomed_ckpts or leftovers:
             print("dry run: pass --apply to delete")
         return 0
-    step_dirs = {s.step: step_paths(directories, step_name(s.step)) for s in doomed_steps}
+    step_dirs = {s.step: step_paths(directories, os.path.basename(s.path)) for s in doomed_steps}
     for s in doomed_steps:
         parts = len(read_manifest(step_dirs[s.step][0]).directories) - 1
         if parts > len(directories) - 1:

@@ -116,8 +116,9 @@ def to_rotate(checkpoints: list[StepInfo], limit: int, best: str | None = None) 
     oldest complete ones go until ``limit`` remain, never the newest (resuming needs it) nor ``best``
     (``state.best_model_checkpoint``, known by its ``checkpoint-N`` name), so that
     ``limit=1`` with an older best keeps two. Incomplete ones older than the newest
-    complete one go too (nothing can resume from them); newer ones are left alone, and
-    so is ``best`` whatever its state."""
+    complete one go too when they are proven broken (`StepInfo.damaged`: nothing can
+    resume from them); newer ones are left alone, and so are ``best`` whatever its state
+    and those that could not be told (a newer format, an I/O error)."""
     best_step = TRAINER_STEPS.step_at(best) if best is not None else None
     complete = _stock_order([c for c in checkpoints if c.complete])
     # The policy runs over the complete ones' places in that order (oldest first).
@@ -132,7 +133,7 @@ def to_rotate(checkpoints: list[StepInfo], limit: int, best: str | None = None) 
     gone = {complete[i].path for i in doomed} | {
         c.path
         for c in checkpoints
-        if not c.complete and newest is not None and c.step < newest and c.step != best_step
+        if not c.complete and c.damaged and newest is not None and c.step < newest and c.step != best_step
     }
     return [c.path for c in checkpoints if c.path in gone]
 

@@ -456,6 +456,38 @@ def test_rotation_counts_only_complete_checkpoints(tmp_path: Path, backend: str)
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rotation_and_gc_leave_checkpoints_they_cannot_tell_broken(tmp_path: Path, backend: str) -> None:
+    """An incomplete checkpoint goes only when it is proven broken (a file missing or cut
+    short, no manifest): one written in a newer format, or whose manifest records
+    another step than its name, cannot be told and stays, neither counted nor deleted,
+    by the rotation and by ``aiopersist gc``."""
+    from tests._forkserver import aiopersist_cli
+    from tests.io.test_corruption import _rewrite_manifest
+
+    run = tmp_path / "run"
+    for step in (1, 2, 3, 4, 5):
+        state = {"w": torch.full((100,), float(step))}
+        asyncio.run(aiopersist.save(state, run / f"checkpoint-{step}", backend=backend))
+    _rewrite_manifest(run / "checkpoint-1", lambda d: d.update(version=99))
+    _rewrite_manifest(run / "checkpoint-2", lambda d: d["metadata"].update(step="9"))
+    (run / "checkpoint-3" / "model.safetensors").unlink()  # broken
+    found = _checkpoints(str(run))
+    assert [(c.step, c.complete, c.damaged) for c in found] == [
+        (1, False, False),
+        (2, False, False),
+        (3, False, True),
+        (4, True, False),
+        (5, True, False),
+    ]
+    assert "newer" in (found[0].problem or "")
+    assert [os.path.basename(p) for p in to_rotate(found, 5)] == ["checkpoint-3"]
+    assert [os.path.basename(p) for p in to_rotate(found, 1)] == ["checkpoint-3", "checkpoint-4"]
+    proc = aiopersist_cli("gc", str(run), "--keep-last", "5", "--apply")
+    assert proc.returncode == 0, proc.stderr
+    assert _checkpoint_names(run) == ["checkpoint-1", "checkpoint-2", "checkpoint-4", "checkpoint-5"]
+
+
 def test_rotation_orders_by_modification_time_as_stock(tmp_path: Path) -> None:
     """The stock rotation orders checkpoints by modification time (by step when they all
     lie within a second): a rerun into an output_dir that holds an older, longer run's

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -516,3 +517,73 @@ def test_a_read_only_directory_is_managed_unlocked(
         assert "Read-only" in caplog.text
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+# -- what a step directory claims -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_step_copied_under_another_name_is_not_taken_for_it(tmp_path: Path, backend: str) -> None:
+    """``step-99`` holding step 1's checkpoint (its manifest records step 1) is not step
+    99: not counted, not restored, and its retention does not make the real steps go."""
+    directory = tmp_path / "ck"
+    async with aiopersist.CheckpointManager(directory, backend=backend, keep_last=1) as mgr:
+        await (await mgr.save(1, state_of(1))).wait()
+        shutil.copytree(directory / "step-1", directory / "step-99")
+        for step in (2, 3):
+            await (await mgr.save(step, state_of(step))).wait()
+        await mgr.wait()
+        assert mgr.steps() == [3]
+        assert _names(directory) == ["step-3", "step-99"]  # step-1 went by retention; the copy stays
+        back = await mgr.restore()
+        assert mgr.restored_step == 3
+        assert back["step"] == 3
+        info = next(s for s in mgr.scan() if s.step == 99)
+        assert not info.complete
+        assert not info.damaged  # it may be a good checkpoint of step 1: left alone
+        assert "records step '1'" in (info.problem or "")
+
+
+@pytest.mark.asyncio
+async def test_the_step_just_committed_is_not_deleted_by_its_own_retention(tmp_path: Path) -> None:
+    """Below a higher step (a run resumed from an older one), a save survives the
+    retention that follows its commit: the newest save is always there."""
+    async with aiopersist.CheckpointManager(tmp_path / "ck", keep_last=1) as mgr:
+        await (await mgr.save(10, state_of(10))).wait()
+        await (await mgr.save(5, state_of(5))).wait()
+        await mgr.wait()
+        assert mgr.steps() == [5, 10]
+        assert (await mgr.restore(5))["step"] == 5
+
+
+def test_the_manager_s_step_in_metadata_cannot_be_overridden(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with aiopersist.CheckpointManager(tmp_path / "ck") as mgr:
+            with pytest.raises(ValueError, match="'step' is the manager's"):
+                await mgr.save(3, state_of(3), metadata={"step": "7"})
+            await (await mgr.save(4, state_of(4), metadata={"step": "4", "run": "a"})).wait()
+            assert mgr.steps() == [4]
+
+    asyncio.run(main())
+    assert _names(tmp_path / "ck") == ["step-4"]
+
+
+@pytest.mark.parametrize("name", ["step-03", "step-\u0663", "step-\uff13", "step-3\n", "step-3 ", "step-+3"])
+@pytest.mark.asyncio
+async def test_names_that_are_not_canonical_are_no_steps(tmp_path: Path, name: str) -> None:
+    """Only ``step-<digits>`` (ASCII, no leading zero, nothing after) is a step: a complete
+    checkpoint under another name is neither counted nor deleted, and retention never
+    takes the step of that number, which is another directory."""
+    directory = tmp_path / "ck"
+    await aiopersist.save(state_of(3), directory / name)
+    (directory / "step-3").mkdir()  # incomplete: retention leaves it alone
+    (directory / "step-3" / "notes.txt").write_text("mine")
+    async with aiopersist.CheckpointManager(directory, keep_last=1) as mgr:
+        for step in (4, 5):
+            await (await mgr.save(step, state_of(step))).wait()
+        await mgr.wait()
+        assert mgr.steps() == [5]
+    assert _names(directory) == sorted([name, "step-3", "step-5"])
+    assert (directory / "step-3" / "notes.txt").read_text() == "mine"
+    assert (await aiopersist.load(directory / name))["step"] == 3
