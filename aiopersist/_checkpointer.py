@@ -31,7 +31,7 @@ from typing import Any, Literal, cast
 import torch
 
 from . import _knobs
-from ._backends import IOBackend, create_backend
+from ._backends import IOBackend, create_backend, to_thread_to_the_end
 from ._commit import remove_path
 from ._direct import AlignedBuffer, copy_bytes
 from ._dist import Coordinator, coordinator
@@ -316,9 +316,9 @@ class Checkpointer:
                 await self._backend.aclose()
         finally:
             self.pool.close()
-            for memory in self._snapshots:
-                memory.close()
-            self._snapshots.clear()
+            snapshots, self._snapshots = self._snapshots, []
+            if snapshots:  # unmapping gigabytes takes a while: in a worker thread
+                await asyncio.to_thread(_close_all, snapshots)
 
     async def __aenter__(self) -> Checkpointer:
         return self
@@ -348,7 +348,13 @@ class Checkpointer:
         memory: AlignedBuffer | None = None
         try:
             if self.mode == "snapshot" and isinstance(flat, Flattened):
-                memory = self._snapshot_memory(snapshot_total)
+                memory, stale = self._snapshot_memory(snapshot_total)
+                if stale is not None:
+                    _close_off_loop(stale)
+                if memory is None:  # a new area: mapped in a worker thread
+                    memory = await to_thread_to_the_end(
+                        AlignedBuffer, max(snapshot_total, 1), discard=_close_off_loop
+                    )
                 flat, extra_files = await _take_snapshot(
                     flat,
                     extra_files,
@@ -381,7 +387,7 @@ class Checkpointer:
             # that awaited `done` finds the slot free (on_busy="skip" does not skip).
             if memory is not None:
                 if self._closed:
-                    memory.close()
+                    _close_off_loop(memory)
                 else:
                     self._snapshots.append(memory)
             slot.release()
@@ -429,15 +435,14 @@ class Checkpointer:
             )
         return total
 
-    def _snapshot_memory(self, total: int) -> AlignedBuffer:
-        """A free snapshot area of at least ``total`` bytes: the largest free one if it is
-        big enough, else a new one (a free one too small is unmapped)."""
+    def _snapshot_memory(self, total: int) -> tuple[AlignedBuffer | None, AlignedBuffer | None]:
+        """A free snapshot area of at least ``total`` bytes (the largest free one if it is
+        big enough; ``None``: map a new one), and a free one too small, to unmap. Both
+        mapping and unmapping take long for large areas: the caller does them off the loop."""
         self._snapshots.sort(key=lambda m: m.size)
         if self._snapshots and self._snapshots[-1].size >= total:
-            return self._snapshots.pop()
-        if self._snapshots:
-            self._snapshots.pop(0).close()
-        return AlignedBuffer(max(total, 1))
+            return self._snapshots.pop(), None
+        return None, self._snapshots.pop(0) if self._snapshots else None
 
 
 def _cuda_ready(flat: Flattened | Exception, extras: _ExtraTensors, given: CudaReady | None) -> CudaReady:
@@ -454,6 +459,20 @@ def _cuda_ready(flat: Flattened | Exception, extras: _ExtraTensors, given: CudaR
         devices.add(torch.cuda.current_device())  # whole objects: their devices are not known
     ready.update(record_cuda_ready(sorted(devices - ready.keys())))
     return ready
+
+
+def _close_all(areas: Sequence[AlignedBuffer]) -> None:
+    for area in areas:
+        area.close()
+
+
+def _close_off_loop(area: AlignedBuffer) -> None:
+    """Unmap a snapshot area no one uses any more, in a worker thread (unmapping a
+    large one takes a while); inline when no loop runs."""
+    try:
+        asyncio.get_running_loop().run_in_executor(None, area.close)
+    except RuntimeError:  # no running loop, or its executor is shut down
+        area.close()
 
 
 def _padded(n: int) -> int:
@@ -603,18 +622,23 @@ async def _take_snapshot(
         jobs.append((typed, src))
         return typed
 
-    stored = [
-        StoredTensor(s.name, place(s.source, s.nbytes), s.align) if s.nbytes else s for s in flat.stored
-    ]
+    stored: list[StoredTensor] = []
     copies: dict[int, torch.Tensor] = {}
-    for t in extras.tensors:
-        if _nbytes(t):
-            c = place(t.detach(), _nbytes(t))
-            copies[id(t)] = torch.nn.Parameter(c, t.requires_grad) if isinstance(t, torch.nn.Parameter) else c
     whole = {name: cast(TorchSave, (extra_files or {})[name]).obj for name in extras.whole}
     sinks: dict[str, _BoundedSink] = {}
+    rebuilt: dict[str, bytes | TorchSave | SafetensorsSave] = {}
 
     def copy_and_serialize() -> None:
+        # The copies' views, one per tensor (tens of thousands for a large state), are
+        # made here too: not on the event loop.
+        stored.extend(
+            StoredTensor(s.name, place(s.source, s.nbytes), s.align) if s.nbytes else s for s in flat.stored
+        )
+        for t in extras.tensors:
+            if _nbytes(t):
+                c = place(t.detach(), _nbytes(t))
+                param = isinstance(t, torch.nn.Parameter)
+                copies[id(t)] = torch.nn.Parameter(c, t.requires_grad) if param else c
         # Copies out of the GPU go into page-locked memory: at the link's speed, and all
         # queued at once (the snapshot area is registered once, and reused by later saves).
         pinned = any(src.is_cuda for _, src in jobs) and memory.pin_for_cuda()
@@ -625,6 +649,20 @@ async def _take_snapshot(
                 sinks[name] = sink = _BoundedSink(name, remaining, budget)
                 torch_save_to(obj, sink, name)
                 remaining -= sink.tell()
+        if extra_files is not None and (copies or sinks):  # rebuilt around the copies
+            rebuilt.update(
+                (
+                    name,
+                    cast(bytes, sinks[name].getbuffer())  # written from the sink's memory, not copied
+                    if name in sinks
+                    else TorchSave(_with_copies(c.obj, copies))
+                    if isinstance(c, TorchSave)
+                    else SafetensorsSave({k: copies.get(id(t), t) for k, t in c.tensors.items()}, c.metadata)
+                    if isinstance(c, SafetensorsSave)
+                    else c,
+                )
+                for name, c in extra_files.items()
+            )
 
     thread = asyncio.ensure_future(asyncio.to_thread(copy_and_serialize))
     try:
@@ -634,17 +672,6 @@ async def _take_snapshot(
         # memory is neither reused nor unmapped before then.
         await settle([thread])
         raise
-    if extra_files is not None and (copies or sinks):
-        extra_files = {
-            name: cast(bytes, sinks[name].getbuffer())  # written from the sink's memory, not copied
-            if name in sinks
-            else TorchSave(_with_copies(c.obj, copies))
-            if isinstance(c, TorchSave)
-            else SafetensorsSave({k: copies.get(id(t), t) for k, t in c.tensors.items()}, c.metadata)
-            if isinstance(c, SafetensorsSave)
-            else c
-            for name, c in extra_files.items()
-        }
     return (
         Flattened(
             flat.skeleton,
@@ -655,7 +682,7 @@ async def _take_snapshot(
             flat.pickled_paths,
             model_only=flat.model_only,
         ),
-        extra_files,
+        rebuilt or extra_files,
     )
 
 

@@ -625,6 +625,21 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    # The scans read every step's manifest (seconds for many large steps): in a coroutine,
+    # use these, which run them in a worker thread and leave the event loop free.
+
+    async def ascan(self) -> list[StepInfo]:
+        """`scan`, in a worker thread."""
+        return await asyncio.to_thread(self.scan)
+
+    async def asteps(self) -> list[int]:
+        """`steps`, in a worker thread."""
+        return await asyncio.to_thread(self.steps)
+
+    async def alatest(self) -> int | None:
+        """`latest`, in a worker thread."""
+        return await asyncio.to_thread(self.latest)
+
     # -- saving -------------------------------------------------------------------------
 
     @maps_os_errors("CheckpointManager.save")

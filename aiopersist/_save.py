@@ -190,14 +190,23 @@ def _span_bytes(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
+_SINK_BATCH = 1 << 20
+"""`_TorchSaveSink` gathers ``torch.save``'s small writes (its pickle and zip records
+come a few bytes at a time: ~11,000 of a 200 MiB optimizer state's 12,000 writes are
+under 4 KiB) into batches of this many bytes, each handed to the event loop at once."""
+
+
 class _TorchSaveSink:
-    """What ``torch.save`` writes to, from a worker thread: each ``write`` is handed to the
-    `FileWriter` on the event loop, and returns once the bytes are in staging buffers."""
+    """What ``torch.save`` writes to, from a worker thread: its writes are handed to the
+    `FileWriter` on the event loop (small ones gathered into batches of `_SINK_BATCH`
+    bytes, so the loop is not woken for each), and return once their bytes are in staging
+    buffers or in the batch. `drain` hands on the last batch."""
 
     def __init__(self, writer: FileWriter, loop: asyncio.AbstractEventLoop) -> None:
         self._writer = writer
         self._loop = loop
         self._pos = 0
+        self._batch = bytearray()
         self._stopped = False
         self.error: BaseException | None = None
         """The first error a ``write`` raised (torch.save reports it as its own error)."""
@@ -206,20 +215,42 @@ class _TorchSaveSink:
         """Make every later ``write`` raise, so that ``torch.save`` ends early."""
         self._stopped = True
 
+    def _hand_on(self, view: memoryview) -> None:
+        asyncio.run_coroutine_threadsafe(self._writer.write(view), self._loop).result()
+
+    def _hand_on_batch(self) -> None:
+        if self._batch:
+            with memoryview(self._batch) as view:
+                self._hand_on(view)  # copied into staging before it returns
+            del self._batch[:]
+
     def write(self, data: Any) -> int:
         try:
             if self._stopped:
                 raise OSError(errno.ECANCELED, "the save was stopped")
-            with memoryview(data) as view:
+            with memoryview(data) as raw, raw.cast("B") as view:
                 n = view.nbytes
-                if n:
-                    asyncio.run_coroutine_threadsafe(self._writer.write(view), self._loop).result()
+                if n and len(self._batch) + n <= _SINK_BATCH:
+                    self._batch += view
+                elif n:
+                    self._hand_on_batch()
+                    if n < _SINK_BATCH:
+                        self._batch += view
+                    else:
+                        self._hand_on(view)
         except BaseException as exc:
             if self.error is None:
                 self.error = exc
             raise
         self._pos += n
         return n
+
+    async def drain(self) -> None:
+        """On the loop, once ``torch.save`` has returned: write the last batch."""
+        if self._batch:
+            with memoryview(self._batch) as view:
+                await self._writer.write(view)
+            del self._batch[:]
 
     def tell(self) -> int:
         return self._pos
@@ -279,6 +310,7 @@ async def write_torch_save(
             sink.stop()
             await settle([thread])
             raise
+        await sink.drain()
         if written is not None:
             written()
     return FileRecord(name, writer.bytes_written, hasher.hexdigest())

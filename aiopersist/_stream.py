@@ -497,8 +497,8 @@ class FileWriter:
             await settle(self._pending)
             self._raise_failed()
             if padded:
-                try:
-                    os.ftruncate(self._fd, self.bytes_written)
+                try:  # a metadata update that can wait on the journal: off the loop
+                    await to_thread_to_the_end(os.ftruncate, self._fd, self.bytes_written)
                 except OSError as exc:
                     raise from_os_error(exc, "ftruncate", self.path) from exc
             await self._backend.fsync(self._fd)

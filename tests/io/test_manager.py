@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -587,3 +588,33 @@ async def test_names_that_are_not_canonical_are_no_steps(tmp_path: Path, name: s
     assert _names(directory) == sorted([name, "step-3", "step-5"])
     assert (directory / "step-3" / "notes.txt").read_text() == "mine"
     assert (await aiopersist.load(directory / name))["step"] == 3
+
+
+@pytest.mark.asyncio
+async def test_the_async_scans_run_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ascan``/``asteps``/``alatest`` give what the synchronous ones give, from a
+    worker thread: the manifests are read there, never on the loop's thread."""
+    import threading
+
+    from aiopersist import _manager
+
+    loop_thread = threading.get_ident()
+    readers: set[int] = set()
+    real = _manager._check_step
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        readers.add(threading.get_ident())
+        return real(*args, **kwargs)
+
+    async with aiopersist.CheckpointManager(tmp_path / "ck") as mgr:
+        for step in (1, 2):
+            await (await mgr.save(step, state_of(step))).wait()
+        await mgr.wait()
+        monkeypatch.setattr(_manager, "_check_step", watched)
+        assert await mgr.asteps() == [1, 2]
+        assert await mgr.alatest() == 2
+        assert [s.step for s in await mgr.ascan()] == [1, 2]
+    assert readers
+    assert loop_thread not in readers
