@@ -300,12 +300,14 @@ class Checkpointer:
             await self._release()
 
     async def _cancel_all(self) -> None:
-        while self._tasks:
-            tasks = list(self._tasks)
-            for task in tasks:
+        # The tasks not done yet: a done one leaves ``_tasks`` only when its done callback
+        # runs, on a later turn of the loop. Waiting for ``_tasks`` to empty, a caller
+        # cancelled at every await (an anyio cancel scope) never let the loop turn again.
+        while pending := [t for t in self._tasks if not t.done()]:
+            for task in pending:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):  # cancelled again: wait on
-                await settle(tasks)
+                await settle(pending)
 
     async def _release(self) -> None:
         if self._released:

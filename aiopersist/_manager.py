@@ -852,8 +852,8 @@ class CheckpointManager:
     async def wait(self) -> None:
         """Wait for the saves in flight, their retention and their mirroring."""
         await self.checkpointer.wait()
-        while self._tasks:
-            await asyncio.wait(list(self._tasks))
+        while pending := [t for t in self._tasks if not t.done()]:
+            await asyncio.wait(pending)
 
     @maps_os_errors("CheckpointManager.aclose")
     async def aclose(self) -> None:

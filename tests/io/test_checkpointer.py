@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -502,3 +504,56 @@ async def test_cancelling_a_snapshot_copy_waits_for_it(backend_name: str, tmp_pa
         copy = torch.frombuffer(memory.view, dtype=torch.float32, count=source.numel())
         assert torch.equal(copy, source)
     assert not (tmp_path / "c").exists()
+
+
+_ROOT = Path(__file__).resolve().parents[2]
+_RECANCELLED = """
+import asyncio, sys, time
+import torch
+import aiopersist
+
+class Slow:
+    def __reduce__(self):
+        time.sleep(1)
+        return (int, (0,))
+
+async def main():
+    ck = aiopersist.Checkpointer(backend=sys.argv[1])
+    await ck.save({"w": torch.ones(8)}, sys.argv[2], extra_files={"x.pt": aiopersist.TorchSave(Slow())})
+    closing = asyncio.ensure_future(ck.aclose())
+    loop = asyncio.get_running_loop()
+    stop = time.monotonic() + 5
+
+    def recancel():  # as an anyio cancel scope delivers it: again at every turn of the loop
+        if not closing.done():
+            closing.cancel()
+            if time.monotonic() < stop:
+                loop.call_soon(recancel)
+
+    await asyncio.sleep(0.1)
+    recancel()
+    try:
+        await closing
+    except asyncio.CancelledError:
+        pass
+    print("closed", len(ck._tasks), flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def test_aclose_cancelled_at_every_turn_still_ends(backend_name: str, tmp_path: Path) -> None:
+    """A caller cancelled at every await (anyio's cancel scopes, a second Ctrl-C through
+    the blocking facade) while a save is in flight: ``aclose`` waits for the save's thread
+    and ends; it used to spin on the done task forever, the loop never turning again."""
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", _RECANCELLED, backend_name, str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "closed 0"
+    assert not (tmp_path / "ck").exists()  # cancelled: nothing published
