@@ -14,7 +14,6 @@ save either commits on every rank or on none.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import datetime
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from . import _knobs
+from ._backends._base import to_thread_to_the_end
 from ._exceptions import RankFailedError
 
 # The checkpoint's own gloo groups, by the group they serve (None: the default group),
@@ -73,6 +73,8 @@ class _Outcome:
     value: Any = None
     error: str | None = None
     """``"TypeName: message"`` of the exception this rank raised, or ``None``."""
+    tag: Any = None
+    """Which save and which of its exchanges this is: every rank must be at the same."""
 
 
 class Coordinator:
@@ -85,15 +87,27 @@ class Coordinator:
         self.local_rank = local_rank
         self.group = group
 
-    async def exchange(self, value: Any, error: BaseException | None = None) -> list[Any]:
+    async def exchange(self, value: Any, error: BaseException | None = None, tag: Any = None) -> list[Any]:
         """Every rank's ``value``, by rank. If any rank reports an error (``error`` here),
-        every rank raises: this rank its own ``error``, the others `RankFailedError`."""
+        every rank raises: this rank its own ``error``, the others `RankFailedError`.
+        ``tag`` names the save and the exchange: ranks at different ones (one retried
+        another save after failing alone, or was cancelled) all raise `RankFailedError`
+        rather than take each other's values."""
         text = None if error is None else f"{type(error).__name__}: {error}"
-        outcome = _Outcome(self.rank, None if error is not None else value, text)
+        outcome = _Outcome(self.rank, None if error is not None else value, text, tag)
         # In a worker thread: the event loop goes on writing meanwhile. A save makes its
         # exchanges one after another; concurrent saves over the same ranks are not
-        # supported (a Checkpointer with several ranks runs one at a time).
-        gathered = await asyncio.to_thread(self._all_gather, outcome)
+        # supported (a Checkpointer with several ranks runs one at a time). Awaited to its
+        # end even if the caller is cancelled: a gather left running on the group would
+        # meet the next save's and make gloo abort the process.
+        gathered = await to_thread_to_the_end(self._all_gather, outcome)
+        tags = {repr(o.tag) for o in gathered}
+        if len(tags) > 1:
+            raise RankFailedError(
+                "the ranks are not at the same save: "
+                + ", ".join(f"rank {o.rank} at {o.tag!r}" for o in gathered)
+                + " (a rank failed or was cancelled alone, then saved again)"
+            )
         if error is not None:
             raise error
         failed = [o for o in gathered if o.error is not None]

@@ -572,12 +572,16 @@ async def save_state(
     token = uuid.uuid4().hex[:12]
     committed = False
 
+    exchanges = 0
+
     async def exchange(value: Any, error: BaseException | None = None) -> list[Any]:
+        nonlocal exchanges
         if coord is None:
             if error is not None:
                 raise error
             return [value]
-        return await coord.exchange(value, error)
+        exchanges += 1  # every rank must be at this save (by its name) and this exchange
+        return await coord.exchange(value, error, tag=(os.path.basename(final), exchanges))
 
     # 1. describe, and (rank 0) claim the temporary directory.
     desc: RankDesc | None = None

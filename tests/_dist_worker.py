@@ -153,6 +153,33 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
             state["bad"] = object()
         await aiopersist.save(state, paths, replicated=True, backend=backend)
         return {}
+    if name == "other-save":
+        # Rank 1 is at another save than rank 0 (it failed alone before its exchanges and
+        # saved again, under another name): neither takes the other's values.
+        await aiopersist.save(
+            {"w": torch.ones(10)}, [p + ("-other" if rank else "") for p in paths], backend=backend
+        )
+        return {}
+    if name == "cancel-then-save":
+        # Rank 0 gives up on a save waiting for rank 1, then saves again at once: the
+        # cancelled exchange must be over before the next one starts on the group.
+        outcome: dict[str, str] = {}
+        if rank == 0:
+            try:
+                await asyncio.wait_for(aiopersist.save({"w": torch.ones(10)}, paths, backend=backend), 0.5)
+            except BaseException as exc:
+                outcome["first"] = type(exc).__name__
+            try:
+                await aiopersist.save({"w": torch.ones(10)}, [p + "2" for p in paths], backend=backend)
+            except BaseException as exc:
+                outcome["second"] = type(exc).__name__
+        else:
+            await asyncio.sleep(3)
+            try:
+                await aiopersist.save({"w": torch.ones(10)}, paths, backend=backend)
+            except BaseException as exc:
+                outcome["first"] = type(exc).__name__
+        return outcome
     if name == "disk-full":
         # Rank 1 writes to the second directory, a 1 MiB tmpfs the test mounted.
         await aiopersist.save({"w": torch.ones(4 << 20)}, paths, replicated=True, backend=backend)

@@ -292,6 +292,32 @@ def test_a_rank_that_fails_fails_the_save_everywhere(tmp_path: Path, backend: st
     _no_leftovers(tmp_path)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranks_at_different_saves_fail_rather_than_pair_up(tmp_path: Path, backend: str) -> None:
+    """Each exchange names its save and its place in it: ranks at different saves (one
+    saved again after failing alone) all raise, and nothing is published."""
+    outs = run_ranks("other-save", tmp_path, backend)
+    assert [o.get("error") for o in outs] == ["RankFailedError", "RankFailedError"], outs
+    assert "not at the same save" in outs[0]["message"]
+    assert not (tmp_path / "a" / "ck").exists()
+    assert not (tmp_path / "a" / "ck-other").exists()
+    _no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_cancelled_save_s_exchange_ends_before_the_next_save_s(tmp_path: Path, backend: str) -> None:
+    """A save cancelled while its exchange waits for a late rank: the exchange runs to its
+    end (bounded by the timeout) before the cancellation is raised, so the next save's
+    does not meet it on the group (gloo aborted the process). The late rank, now at
+    another save than rank 0, fails instead of pairing up."""
+    outs = run_ranks("cancel-then-save", tmp_path, backend)
+    assert [o["rc"] for o in outs] == [0, 0], outs
+    assert outs[0]["ok"] == {"first": "TimeoutError", "second": "RankFailedError"}, outs
+    assert outs[1]["ok"] == {"first": "RankFailedError"}, outs
+    assert not (tmp_path / "a" / "ck").exists()
+    assert not (tmp_path / "a" / "ck2").exists()
+
+
 @pytest.mark.root
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_disk_full_on_one_rank_commits_nothing(tmp_path: Path, backend: str) -> None:
