@@ -215,8 +215,12 @@ class _OnPortal:
         _open_facades.discard(self)
         try:
             self._portal.call(self._aclose)
-        finally:
-            self._loop_thread.stop()
+        except BaseException:
+            # Interrupted (Ctrl-C while waiting): the loop cancels what is in flight, and
+            # gets a bounded time for it; what still runs then is left to its daemon thread.
+            self._loop_thread.stop(timeout=_EXIT_CANCEL_SECONDS)
+            raise
+        self._loop_thread.stop()
 
     def _close_at_exit(self, grace: float) -> None:
         """At interpreter exit: give the saves in flight ``grace`` seconds to finish, then
@@ -265,8 +269,14 @@ class _OnPortal:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Leaving on an error (an exception, Ctrl-C, sys.exit): as at interpreter exit,
+            # the saves in flight get AIOPERSIST_EXIT_GRACE seconds, then are cancelled: a
+            # crashed job is not held open by a save stuck on its disk.
+            self._close_at_exit(_knobs.exit_grace())
 
 
 _EXIT_CANCEL_SECONDS = 5.0

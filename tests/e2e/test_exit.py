@@ -219,3 +219,37 @@ def test_the_next_trainer_run_removes_what_an_abandoned_save_left(tmp_path: Path
     import asyncio
 
     asyncio.run(aiopersist.verify(out / "checkpoint-2"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["raise", "sys-exit"])
+def test_leaving_a_with_block_on_an_error_is_bounded_by_the_grace(
+    tmp_path: Path, backend: str, how: str
+) -> None:
+    """``with BlockingCheckpointer() as ck:`` left by an exception or ``sys.exit`` while a
+    save is stuck (the pickling of one of its files sleeps for 10 minutes): the process
+    ends after the grace, the save cancelled and nothing published, as when the facade
+    is left open. It used to wait for the save without bound. (The manager's facade
+    shares this exit.)"""
+    stop = 'raise RuntimeError("training blew up")' if how == "raise" else "sys.exit(3)"
+    rc, err = _run(
+        f"""
+        import sys, time
+        import aiopersist, torch
+
+        class Stuck:
+            def __reduce__(self):
+                time.sleep(600)
+                return (int, (0,))
+
+        with aiopersist.BlockingCheckpointer(backend={backend!r}) as ck:
+            extra = {{"x.pt": aiopersist.TorchSave(Stuck())}}
+            ck.save({{"w": torch.ones(8)}}, {str(tmp_path / "ckpt")!r}, extra_files=extra)
+            time.sleep(0.5)
+            {stop}
+        """,
+        grace=1,
+        timeout=90,
+    )
+    assert rc == (1 if how == "raise" else 3), err
+    assert not (tmp_path / "ckpt").exists()
