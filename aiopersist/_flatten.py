@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ._exceptions import CheckpointCorruptError, UnsupportedStateError
-from ._format import dtype_from_name, supported_dtype
+from ._format import dtype_from_name, supported_dtype, unwritable_shape
 from ._skeleton import MAX_CONTAINER_DEPTH
 from ._workers import gc_paused
 
@@ -139,6 +139,9 @@ class _Walker:
             raise UnsupportedStateError(f"{where}: tensors on {t.device.type} are not supported")
         if not supported_dtype(t.dtype):
             raise UnsupportedStateError(f"{where}: dtype {t.dtype} has no safetensors equivalent")
+        problem = unwritable_shape(t.shape)
+        if problem is not None:
+            raise UnsupportedStateError(f"{where}: {problem}")
         if t.numel() and not t.data_ptr():
             raise UnsupportedStateError(
                 f"{where}: a {type(t).__name__} has no storage of its own (a wrapper tensor "

@@ -10,12 +10,13 @@ can then land page-aligned.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -125,6 +126,9 @@ def layout_file(
         if name in header:
             raise ValueError(f"duplicate tensor name {name!r}")
         shp = tuple(int(s) for s in shape)
+        problem = unwritable_shape(shp)
+        if problem is not None:
+            raise ValueError(f"tensor {name!r}: {problem}")
         nbytes = math.prod(shp) * dtype.itemsize
         entry = TensorEntry(name, dtype, shp, pos, pos + nbytes)
         entries.append(entry)
@@ -157,13 +161,61 @@ def header_length(prefix: bytes, file_size: int, name: str) -> int:
 MAX_COUNT = 1 << 62
 """Largest dimension, element count or offset a header may state."""
 
+MAX_DIMS = 64
+"""Most dimensions a tensor may have, in a header, a manifest or a save: NumPy's limit
+(``Tensor.numpy()`` refuses more), far beyond any real tensor. A longer shape is damaged
+or hostile: refused before anything multiplies its dimensions."""
+
 
 def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
 
 
-def _short(value: object) -> str:
-    text = repr(value)
+def shape_problem(shape: Sequence[object]) -> str | None:
+    """What is wrong with ``shape`` as a header or a manifest states it (``None``: nothing):
+    more than `MAX_DIMS` dimensions, a dimension that is not an integer from 0 to
+    `MAX_COUNT`, or more than `MAX_COUNT` elements. The product stops as soon as it passes
+    the limit, so no shape costs more than `MAX_DIMS` small multiplications."""
+    if len(shape) > MAX_DIMS:
+        return f"has {len(shape)} dimensions (at most {MAX_DIMS})"
+    if not all(_count(s) for s in shape):
+        return f"has a dimension that is not an integer from 0 to {MAX_COUNT}"
+    if bounded_count(cast(Sequence[int], shape)) is None:
+        return f"holds more than {MAX_COUNT} elements"
+    return None
+
+
+def bounded_count(shape: Sequence[int], limit: int = MAX_COUNT) -> int | None:
+    """The element count of ``shape`` (non-negative integers), ``None`` when it is over
+    ``limit``: a zero dimension first, then the product, stopped once past ``limit``."""
+    if 0 in shape:
+        return 0
+    count = 1
+    for dim in shape:
+        count *= dim
+        if count > limit:
+            return None
+    return count
+
+
+def unwritable_shape(shape: Sequence[int]) -> str | None:
+    """Why a reader would refuse a tensor of ``shape`` (``None``: it would not), for a
+    writer to say before it writes anything."""
+    problem = shape_problem(tuple(shape))
+    return None if problem is None else f"its shape {short_repr(list(shape))} {problem}"
+
+
+def short_repr(value: object) -> str:
+    """``repr(value)`` cut to 80 characters, for an error message; a long list, dict or
+    string is cut before it is converted (no repr of a million items)."""
+    if isinstance(value, list) and len(value) > 8:
+        text = repr(value[:8])[:-1] + ", ...]"
+    elif isinstance(value, dict) and len(value) > 8:
+        text = repr(dict(itertools.islice(value.items(), 8)))[:-1] + ", ...}"
+    elif isinstance(value, str) and len(value) > 80:
+        text = repr(value[:80])
+    else:
+        text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -193,14 +245,17 @@ def parse_header(header_json: bytes, file_size: int, name: str) -> FileLayout:
             begin, end = spec["data_offsets"]
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptError(
-                f"{name}: bad header entry for tensor {key!r}: {_short(spec)}"
+                f"{name}: bad header entry for tensor {key!r}: {short_repr(spec)}"
             ) from exc
-        if shape is None or not all(_count(s) for s in shape) or math.prod(shape) > MAX_COUNT:
+        problem = "is not a list" if shape is None else shape_problem(shape)
+        if problem is not None or shape is None:
             raise CheckpointCorruptError(
-                f"{name}: tensor {key!r} has an invalid shape {_short(spec['shape'])}"
+                f"{name}: tensor {key!r} has an invalid shape {short_repr(spec['shape'])}: it {problem}"
             )
         if not (_count(begin) and _count(end) and begin <= end):
-            raise CheckpointCorruptError(f"{name}: tensor {key!r} has invalid offsets {_short([begin, end])}")
+            raise CheckpointCorruptError(
+                f"{name}: tensor {key!r} has invalid offsets {short_repr([begin, end])}"
+            )
         if end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointCorruptError(
                 f"{name}: tensor {key!r} offsets {[begin, end]} do not match "

@@ -21,7 +21,8 @@ import xxhash
 
 from ._exceptions import CheckpointCorruptError, NewerFormatError
 from ._flatten import ViewSpec, dtype_of
-from ._format import DTYPES, dtype_name
+from ._format import DTYPES, MAX_DIMS, bounded_count, dtype_name
+from ._format import short_repr as _short
 from ._names import MANIFEST_NAME, PART_RE
 from ._skeleton import check_skeleton
 from ._workers import gc_paused
@@ -473,9 +474,19 @@ def _int(value: object, what: str, where: str, limit: int = MAX_SIZE) -> int:
     return value
 
 
+def _dims(value: object, what: str, where: str) -> tuple[int, ...]:
+    """A list of at most `MAX_DIMS` integers from 0 to `MAX_SIZE` (a shape or strides)."""
+    items = _list(value, what, where)
+    if len(items) > MAX_DIMS:
+        raise CheckpointCorruptError(
+            f"{where}: {what} {_short(items)} has {len(items)} dimensions (at most {MAX_DIMS})"
+        )
+    return tuple(_int(v, what, where) for v in items)
+
+
 def _shape(value: object, what: str, where: str) -> tuple[int, ...]:
-    dims = tuple(_int(v, what, where) for v in _list(value, what, where))
-    if math.prod(dims) > MAX_SIZE:
+    dims = _dims(value, what, where)
+    if bounded_count(dims, MAX_SIZE) is None:
         raise CheckpointCorruptError(f"{where}: {what} {list(dims)} holds an absurd number of elements")
     return dims
 
@@ -499,11 +510,6 @@ def _dtype(value: object, what: str, where: str) -> Any:
 
 def _checksum(value: object, what: str, where: str) -> str | None:
     return None if value is None else _str(value, what, where)
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_manifest(raw: bytes, where: str) -> Manifest:
@@ -624,13 +630,14 @@ def _tensor_fast(name: str, spec: Any, files: Mapping[str, FileRecord]) -> Tenso
     begin, end = offsets
     if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= MAX_SIZE:
         return None
-    count = 1
+    if len(shape) > MAX_DIMS:
+        return None
     for dim in shape:
         if type(dim) is not int or not 0 <= dim <= MAX_SIZE:
             return None
-        count *= dim
+    count = bounded_count(shape, MAX_SIZE)
     dtype = DTYPES.get(dname)
-    if dtype is None or count > MAX_SIZE or end - begin != count * dtype.itemsize:
+    if dtype is None or count is None or end - begin != count * dtype.itemsize:
         return None
     return TensorRecord(name, file, begin, end, dtype, tuple(shape), checksum)
 
@@ -733,7 +740,7 @@ def _views(doc: Any, nbytes: Mapping[str, int], what: str, where: str) -> dict[s
         dtype = _dtype(spec.get("dtype"), f"{at}.dtype", where)
         offset = _int(spec.get("offset"), f"{at}.offset", where)
         shape = _shape(spec.get("shape"), f"{at}.shape", where)
-        stride = _shape(spec.get("stride"), f"{at}.stride", where)
+        stride = _dims(spec.get("stride"), f"{at}.stride", where)
         if len(stride) != len(shape):
             raise CheckpointCorruptError(f"{where}: {at}: {len(shape)} dimensions but {len(stride)} strides")
         if offset % dtype.itemsize:

@@ -11,7 +11,16 @@ import torch
 from safetensors import safe_open
 
 from aiopersist import CheckpointCorruptError
-from aiopersist._format import DATA_ALIGNMENT, MAX_HEADER_BYTES, header_length, layout_file, parse_header
+from aiopersist._format import (
+    DATA_ALIGNMENT,
+    MAX_COUNT,
+    MAX_DIMS,
+    MAX_HEADER_BYTES,
+    bounded_count,
+    header_length,
+    layout_file,
+    parse_header,
+)
 
 
 def _file_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -93,3 +102,36 @@ def test_duplicate_names_and_bad_metadata_rejected() -> None:
         layout_file([("a", torch.float32, (1,)), ("a", torch.float32, (1,))])
     with pytest.raises(TypeError, match="metadata"):
         layout_file([], {"k": 1})  # type: ignore[dict-item]
+
+
+def _one_tensor_header(shape: list[int], nbytes: int) -> bytes:
+    return _header({"w": {"dtype": "U8", "shape": shape, "data_offsets": [0, nbytes]}})
+
+
+def test_a_shape_has_at_most_max_dims_dimensions() -> None:
+    h = _one_tensor_header([2] + [1] * (MAX_DIMS - 1), 2)
+    assert parse_header(h, 8 + len(h) + 2, "f").entries[0].shape == (2,) + (1,) * (MAX_DIMS - 1)
+    for shape in ([2] + [1] * MAX_DIMS, [1 << 62] * 100_000, [0] * (MAX_DIMS + 1)):
+        h = _one_tensor_header(shape, 2)
+        with pytest.raises(
+            CheckpointCorruptError, match=rf"f: tensor 'w' has an invalid shape .* has {len(shape)} dim"
+        ):
+            parse_header(h, 8 + len(h) + 2, "f")
+
+
+def test_an_element_count_looks_for_a_zero_first_and_stops_past_the_limit() -> None:
+    assert bounded_count([1 << 62] * MAX_DIMS + [0]) == 0
+    assert bounded_count([1 << 31, 1 << 31]) == MAX_COUNT
+    assert bounded_count([1 << 31, 1 << 31, 2]) is None
+    assert bounded_count([1 << 62, 1 << 62], limit=1 << 70) is None  # stopped at the first product past it
+    h = _one_tensor_header([1 << 62] * MAX_DIMS, 0)
+    with pytest.raises(CheckpointCorruptError, match=rf"holds more than {MAX_COUNT} elements"):
+        parse_header(h, 8 + len(h), "f")
+
+
+def test_the_writer_refuses_a_shape_the_reader_refuses() -> None:
+    layout_file([("ok", torch.uint8, (1,) * MAX_DIMS)])
+    with pytest.raises(ValueError, match=rf"tensor 'w': its shape .* has {MAX_DIMS + 1} dimensions"):
+        layout_file([("w", torch.uint8, (1,) * (MAX_DIMS + 1))])
+    with pytest.raises(ValueError, match="not an integer from 0"):
+        layout_file([("w", torch.uint8, (MAX_COUNT + 1, 0))])

@@ -5,6 +5,7 @@ the whole document at once gives; and the records a plan keeps are its files' la
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import xxhash
 
 from aiopersist._exceptions import CheckpointCorruptError
 from aiopersist._flatten import ViewSpec, flatten
+from aiopersist._format import MAX_DIMS
 from aiopersist._manifest import (
     FileRecord,
     Manifest,
@@ -20,6 +22,7 @@ from aiopersist._manifest import (
     SliceRecord,
     TensorRecord,
     TensorTable,
+    _canonical,
     dcp_directories,
     dump_manifest,
     format_version,
@@ -191,3 +194,87 @@ def test_member_directories_lists_every_directory_parents_first() -> None:
     names = ["z/y/x.bin", "a.json", "b/c.txt", "z/w.txt", "b/d/e/f"]
     assert member_directories(names) == ["b", "z", "b/d", "z/y", "b/d/e"]
     assert member_directories(["a", "b"]) == []
+
+
+def _sealed(doc: dict[str, Any]) -> bytes:
+    """A manifest document as a forger writes it: any content, with a valid checksum."""
+    doc = {k: v for k, v in doc.items() if k != "manifest_checksum"}
+    doc["manifest_checksum"] = xxhash.xxh3_64_hexdigest(_canonical(doc))
+    return json.dumps(doc).encode()
+
+
+def _small_doc() -> dict[str, Any]:
+    """A valid version 2 manifest: tensor ``a`` (2 rows of a byte), sliced ``s`` (2 rows),
+    a view ``v`` of ``a``."""
+    return {
+        "format": "aiopersist",
+        "version": 2,
+        "checksum_algorithm": "xxh3_64",
+        "world_size": 1,
+        "layout": "state",
+        "directories": ["."],
+        "files": {"f.safetensors": {"bytes": 4100, "checksum": "0" * 16, "data_offset": 4096, "dir": 0}},
+        "tensors": {"a": {"file": "f.safetensors", "offsets": [4096, 4098], "dtype": "U8", "shape": [2]}},
+        "sliced": {
+            "s": {
+                "dtype": "U8",
+                "shape": [2],
+                "slices": [{"file": "f.safetensors", "offsets": [4098, 4100], "rows": [0, 2]}],
+            }
+        },
+        "views": {"v": {"base": "a", "offset": 0, "dtype": "U8", "shape": [1], "stride": [1]}},
+        "aliases": {},
+        "ranks": {},
+        "skeleton": {"a": {"__tensor__": "a"}, "s": {"__tensor__": "s"}, "v": {"__tensor__": "v"}},
+        "metadata": {},
+        "pickle": None,
+    }
+
+
+_MANY = [1] * MAX_DIMS
+_HUGE = [1 << 62] * 100_000
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            lambda d: d["tensors"]["a"].update(shape=[2, *_MANY]),
+            r"tensors\['a'\]\.shape \[2, 1, .*\] has 65 dim",
+        ),
+        (lambda d: d["tensors"]["a"].update(shape=_HUGE), r"tensors\['a'\]\.shape .* has 100000 dimensions"),
+        (lambda d: d["sliced"]["s"].update(shape=[2, *_MANY]), r"sliced\['s'\]\.shape .* has 65 dimensions"),
+        (lambda d: d["views"]["v"].update(shape=[1, *_MANY]), r"views\['v'\]\.shape .* has 65 dimensions"),
+        (
+            lambda d: d["views"]["v"].update(shape=[1] * 65, stride=[1] * 65),
+            r"views\['v'\]\.shape .* has 65 dimensions",
+        ),
+        (lambda d: d["views"]["v"].update(stride=_HUGE), r"views\['v'\]\.stride .* has 100000 dimensions"),
+        (
+            lambda d: d.update(
+                ranks={"1": {"skeleton": {}, "views": {"w": {**d["views"]["v"], "shape": _HUGE}}}}
+            ),
+            r"ranks\['1'\]\.views\['w'\]\.shape .* has 100000 dimensions",
+        ),
+    ],
+)
+def test_a_shape_of_more_than_max_dims_dimensions_is_refused(change: Any, match: str) -> None:
+    doc = _small_doc()
+    doc["world_size"] = 2
+    change(doc)
+    with pytest.raises(CheckpointCorruptError, match=rf"^m: {match}"):
+        parse_manifest(_sealed(doc), "m")
+
+
+def test_a_shape_of_max_dims_dimensions_parses() -> None:
+    m = parse_manifest(_sealed(_small_doc()), "m")
+    assert (m.tensors["a"].shape, m.sliced["s"].shape, m.views["v"].shape) == ((2,), (2,), (1,))
+    doc = _small_doc()
+    doc["tensors"]["a"]["shape"] = [2, *_MANY[1:]]
+    doc["views"]["v"].update(shape=_MANY, stride=_MANY)
+    doc["sliced"]["s"]["shape"] = [2, *_MANY[1:]]
+    m = parse_manifest(_sealed(doc), "m")
+    assert len(m.tensors["a"].shape) == len(m.views["v"].stride) == len(m.sliced["s"].shape) == MAX_DIMS
+    # Strides are not a shape: their product is not an element count.
+    doc["views"]["v"].update(shape=[1, 1, 1], stride=[1 << 40] * 3)
+    assert parse_manifest(_sealed(doc), "m").views["v"].stride == (1 << 40,) * 3
