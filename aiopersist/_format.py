@@ -29,6 +29,14 @@ MAX_HEADER_BYTES = 100 * (1 << 20)
 """Refuse headers longer than this (safetensors' own limit): a corrupt length field must
 not make the reader allocate gigabytes."""
 
+MAX_JSON_ITEMS = 1 << 23
+"""Most values a JSON document aiopersist reads (a safetensors header, a manifest, an
+index) may hold, counted before it is parsed as the ``{``, ``[`` and ``,`` in its bytes
+(an overestimate where strings hold them). ``json.loads`` costs up to some 250 bytes of
+memory per value (a key and its value, an object of one key) whatever the document's
+size; bounding the values bounds that. A manifest takes about 11 values per tensor, a
+safetensors header about 8: some 700,000 tensors in one checkpoint (or one file)."""
+
 # safetensors dtype names <-> torch dtypes, for every dtype both sides know.
 _DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -140,8 +148,32 @@ def layout_file(
         pos += nbytes
     body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     total = align_up(8 + len(body), alignment)
+    items = json_items(body)
+    if total - 8 > MAX_HEADER_BYTES or items > MAX_JSON_ITEMS:
+        raise ValueError(
+            f"the safetensors header of these {len(entries)} tensors would be {total - 8} bytes, "
+            f"{items} JSON values: more than a reader takes ({MAX_HEADER_BYTES} bytes, "
+            f"{MAX_JSON_ITEMS} values)"
+        )
     padded = body + b" " * (total - 8 - len(body))
     return FileLayout(struct.pack("<Q", len(padded)) + padded, tuple(entries), dict(metadata or {}))
+
+
+def json_items(raw: bytes) -> int:
+    """An upper bound on the values of the JSON document ``raw`` (see `MAX_JSON_ITEMS`): a
+    count of bytes, at memory speed, no parsing."""
+    return raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+
+
+def check_json_items(raw: bytes, where: str, limit: int) -> None:
+    """`CheckpointCorruptError` naming ``where`` when ``raw`` may hold more than ``limit``
+    values: refused before ``json.loads`` builds them."""
+    items = json_items(raw)
+    if items > limit:
+        raise CheckpointCorruptError(
+            f"{where}: {items} JSON objects, lists and commas, more than the {limit} a checkpoint may "
+            "hold (damaged or hostile)"
+        )
 
 
 def header_length(prefix: bytes, file_size: int, name: str) -> int:
@@ -225,6 +257,7 @@ def parse_header(header_json: bytes, file_size: int, name: str) -> FileLayout:
     Raises `CheckpointCorruptError` naming ``name`` for anything malformed: bad
     JSON, unknown dtype, offsets out of order, overlapping, gapped or past the end.
     """
+    check_json_items(header_json, f"{name}: header", MAX_JSON_ITEMS)
     try:
         raw = json.loads(header_json.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and ints past the digit limit

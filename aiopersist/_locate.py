@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from ._direct import DirectIOInfo, open_regular, probe_file_for_read
 from ._exceptions import AiopersistError, CheckpointCorruptError, CheckpointNotFoundError, from_os_error
 from ._manifest import (
+    MAX_INDEX_BYTES,
     MAX_MANIFEST_BYTES,
     FileRecord,
     Manifest,
@@ -244,7 +245,7 @@ def locate(path: PathArg) -> Located:
             return Located("manifest", target, (), manifest, probe_file_for_read(mpath), sizes, places)
         index = os.path.join(target, MODEL_INDEX)
         if os.path.lexists(index):
-            names = parse_index(read_small(index, MAX_MANIFEST_BYTES), index)
+            names = parse_index(read_small(index, MAX_INDEX_BYTES), index)
             files = tuple(os.path.join(target, n) for n in names)
             where = index
         elif os.path.lexists(os.path.join(target, MODEL_FILE)):

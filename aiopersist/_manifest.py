@@ -19,9 +19,9 @@ from typing import Any, cast
 
 import xxhash
 
-from ._exceptions import CheckpointCorruptError, NewerFormatError
+from ._exceptions import CheckpointCorruptError, NewerFormatError, UnsupportedStateError
 from ._flatten import ViewSpec, dtype_of
-from ._format import DTYPES, MAX_DIMS, bounded_count, dtype_name
+from ._format import DTYPES, MAX_DIMS, MAX_JSON_ITEMS, bounded_count, check_json_items, dtype_name, json_items
 from ._format import short_repr as _short
 from ._names import MANIFEST_NAME, PART_RE
 from ._skeleton import check_skeleton
@@ -38,7 +38,16 @@ MAX_MEMBER_DEPTH = 16
 MAX_NAME_BYTES = 1024
 """The longest file name, subdirectories included, a checkpoint may list."""
 CHECKSUM = "xxh3_64"
-MAX_MANIFEST_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 256 << 20
+"""The largest manifest a reader takes (and `dump_manifest` writes), with at most
+`MAX_JSON_ITEMS` values: some 700,000 tensors (a training state of 700,000 small tensors
+has a manifest of 131 MiB, 7.9 Mi values, that takes 1.1 GB to parse). Parsing a forged
+one at both limits takes at most about 2.5 GB (measured: 8 Mi unique keys of 20
+characters and an astral character, which makes the decoded text 4 bytes a character)."""
+MAX_INDEX_BYTES = MAX_MANIFEST_BYTES // 2
+"""The largest ``model.safetensors.index.json`` a reader takes: the index `save` writes
+for a manifest it can write is under half its size (every tensor's name appears once in
+the index, three times in an ``hf-model`` manifest)."""
 
 
 def new_hasher() -> xxhash.xxh3_64:
@@ -293,6 +302,16 @@ def _canonical(doc: Mapping[str, Any]) -> bytes:
     return _canonical_text(doc).encode()
 
 
+def _canonical_digest(doc: Any) -> str:
+    """xxh3 of ``_canonical(doc)``, hashed a slice at a time (no second copy of a large
+    document as bytes: the canonical form is ASCII, its characters are its bytes)."""
+    text = _canonical_text(doc)
+    hasher = xxhash.xxh3_64()
+    for pos in range(0, len(text), 1 << 24):
+        hasher.update(text[pos : pos + (1 << 24)].encode())
+    return str(hasher.hexdigest())
+
+
 def _dumps(doc: Any) -> str:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
@@ -316,7 +335,15 @@ def dump_manifest(manifest: Manifest) -> bytes:
         }
         checksum = xxhash.xxh3_64_hexdigest(_object_text((k, fields[k][1]) for k in sorted(fields)).encode())
         fields["manifest_checksum"] = (_dumps(checksum), "")
-        return _object_text((k, text) for k, (text, _) in fields.items()).encode() + b"\n"
+        data = _object_text((k, text) for k, (text, _) in fields.items()).encode() + b"\n"
+    items = json_items(data)
+    if len(data) > MAX_MANIFEST_BYTES or items > MAX_JSON_ITEMS:
+        raise UnsupportedStateError(
+            f"the manifest of these {len(tensors)} tensors would be {len(data)} bytes, {items} JSON "
+            f"values: more than a reader takes ({MAX_MANIFEST_BYTES} bytes, {MAX_JSON_ITEMS} values); "
+            "save fewer, larger tensors"
+        )
+    return data
 
 
 def _object_text(items: Iterable[tuple[str, str]]) -> str:
@@ -529,6 +556,9 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
 
 
 def _parse_manifest(raw: bytes, where: str) -> Manifest:
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
+    check_json_items(raw, where, MAX_JSON_ITEMS)
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and ints past Python's digit limit
@@ -552,7 +582,7 @@ def _parse_manifest(raw: bytes, where: str) -> Manifest:
         raise CheckpointCorruptError(f"{where}: unknown format version {version}")
     stated = doc.pop("manifest_checksum", None)
     try:
-        actual = xxhash.xxh3_64_hexdigest(_canonical(doc))
+        actual = _canonical_digest(doc)
     except (ValueError, RecursionError) as exc:  # a non-finite float, or absurd nesting
         raise CheckpointCorruptError(f"{where}: {type(exc).__name__}: {exc}") from exc
     if stated != actual:
@@ -604,7 +634,7 @@ def _files(
 def _tensors(doc: dict[str, Any], files: Mapping[str, FileRecord], where: str) -> dict[str, TensorRecord]:
     tensors: dict[str, TensorRecord] = {}
     for name, spec in _object(doc.get("tensors"), "tensors", where).items():
-        # A manifest can list a million tensors: the common, valid record is checked on a
+        # A manifest can list hundreds of thousands of tensors: the common, valid record is checked on a
         # fast path; anything it does not take is checked field by field, which names the
         # field at fault.
         tensors[name] = _tensor_fast(name, spec, files) or _tensor(name, spec, files, where)
@@ -874,6 +904,9 @@ def _entries(
 def parse_index(raw: bytes, where: str) -> list[str]:
     """The data files a Hugging Face ``model.safetensors.index.json`` names (sorted, each
     once), checked like a manifest's file names; `CheckpointCorruptError` otherwise."""
+    if len(raw) > MAX_INDEX_BYTES:
+        raise CheckpointCorruptError(f"{where}: larger than {MAX_INDEX_BYTES} bytes")
+    check_json_items(raw, where, MAX_JSON_ITEMS)
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ._exceptions import StateMismatchError
+from ._exceptions import StateMismatchError, UnsupportedStateError
 from ._flatten import Flattened, ViewSpec
 from ._format import FileLayout, dtype_from_name, dtype_name, layout_file
 from ._manifest import RankState, TensorRecord, TensorTable
@@ -327,7 +327,10 @@ def _plan_write(descs: Sequence[RankDesc], num_dirs: int, max_shard_bytes: int) 
             else:
                 suffix = f"-{i:05d}" if n > 1 else ""
                 name = f"state-rank{rank:05d}-dir{directory:02d}{suffix}.safetensors"
-            layout = layout_file([spec for _, spec in group], {"format": "pt"})
+            try:
+                layout = layout_file([spec for _, spec in group], {"format": "pt"})
+            except ValueError as exc:  # more tensors than one file's header holds
+                raise UnsupportedStateError(f"{name}: {exc}; pass a smaller max_shard_bytes") from None
             files.append(FilePlan(name, rank, directory, tuple(p for p, _ in group), layout))
     return WritePlan(
         files=tuple(files),

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import aiopersist
-from aiopersist._format import MAX_DIMS
+from aiopersist import _format, _manifest, _plan
+from aiopersist._format import MAX_DIMS, MAX_JSON_ITEMS
 from tests.io.test_corruption import _rewrite_manifest
 
 pytestmark = pytest.mark.asyncio
@@ -80,3 +81,54 @@ async def test_a_header_shape_of_too_many_dimensions_is_refused(backend_name: st
         await _refused(
             path, backend_name, rf"x\.safetensors: tensor 'w' has an invalid shape .* has {len(dims)} dim"
         )
+
+
+# -- JSON documents ---------------------------------------------------------------------------
+
+
+async def test_json_documents_of_too_many_values_are_refused_before_they_are_parsed(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manifest, an index or a header of 25 MB of empty objects (600 MB to parse) is
+    refused from a count of its bytes; nothing parses it."""
+    many = b"[" + b"{}," * MAX_JSON_ITEMS + b"{}]"
+    ckpt = tmp_path / "c"
+    await aiopersist.save({"w": torch.ones(4), "n": 1}, ckpt, backend=backend_name)
+    manifest = (ckpt / "aiopersist.json").read_bytes()
+    (ckpt / "aiopersist.json").write_bytes(manifest.replace(b'"metadata":{}', b'"metadata":' + many))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors.index.json").write_bytes(
+        b'{"weight_map":{"w":"a.safetensors"},"x":' + many + b"}"
+    )
+    header = b'{"w":' + many + b"}"
+    (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    monkeypatch.setattr(json, "loads", _never)
+    await _refused(ckpt, backend_name, r"aiopersist\.json: \d+ JSON objects, lists and commas, more than")
+    await _refused(hf, backend_name, r"index\.json: \d+ JSON objects, lists and commas, more than")
+    await _refused(tmp_path / "x.safetensors", backend_name, r"x\.safetensors: header: \d+ JSON objects")
+
+
+def _never(*args: object, **kwargs: object) -> None:
+    raise AssertionError("parsed")
+
+
+@pytest.mark.parametrize("document", ["manifest", "header"])
+async def test_save_refuses_a_manifest_or_header_a_reader_would_refuse(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, document: str
+) -> None:
+    state = {"model": {f"w{i}": torch.ones(2) for i in range(100)}, "n": 1}
+    await aiopersist.save(state, tmp_path / "ok", backend=backend_name)
+    size = (tmp_path / "ok" / "aiopersist.json").stat().st_size
+    module = _manifest if document == "manifest" else _format
+    monkeypatch.setattr(_plan, "_PLANS", {})  # plans made under the real limits are kept
+    monkeypatch.setattr(module, "MAX_MANIFEST_BYTES" if document == "manifest" else "MAX_JSON_ITEMS", 100)
+    match = (
+        "the manifest of these 100 tensors"
+        if document == "manifest"
+        else r"state\.safetensors: the safetensors header"
+    )
+    with pytest.raises(aiopersist.UnsupportedStateError, match=match):
+        await aiopersist.save(state, tmp_path / "no", backend=backend_name)
+    assert not (tmp_path / "no").exists()
+    assert size > 100

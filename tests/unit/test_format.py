@@ -10,12 +10,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from aiopersist import CheckpointCorruptError
+from aiopersist import CheckpointCorruptError, _format
 from aiopersist._format import (
     DATA_ALIGNMENT,
     MAX_COUNT,
     MAX_DIMS,
     MAX_HEADER_BYTES,
+    MAX_JSON_ITEMS,
     bounded_count,
     header_length,
     layout_file,
@@ -135,3 +136,30 @@ def test_the_writer_refuses_a_shape_the_reader_refuses() -> None:
         layout_file([("w", torch.uint8, (1,) * (MAX_DIMS + 1))])
     with pytest.raises(ValueError, match="not an integer from 0"):
         layout_file([("w", torch.uint8, (MAX_COUNT + 1, 0))])
+
+
+def test_a_header_of_more_json_values_than_a_checkpoint_holds_is_refused_unparsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h = b'{"w":' + b"[" + b"{}," * MAX_JSON_ITEMS + b"{}]}"
+    monkeypatch.setattr(_format.json, "loads", _never)
+    with pytest.raises(CheckpointCorruptError, match=rf"^f: header: {2 * MAX_JSON_ITEMS + 3} JSON objects"):
+        parse_header(h, 8 + len(h), "f")
+
+
+def _never(*args: object, **kwargs: object) -> None:
+    raise AssertionError("parsed")
+
+
+def test_the_writer_refuses_a_header_the_reader_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    specs = [(f"t{i}", torch.uint8, (1,)) for i in range(100)]
+    items = _format.json_items(layout_file(specs).header)
+    monkeypatch.setattr(_format, "MAX_JSON_ITEMS", items)
+    layout_file(specs)
+    monkeypatch.setattr(_format, "MAX_JSON_ITEMS", items - 1)
+    with pytest.raises(ValueError, match=rf"these 100 tensors would be \d+ bytes, {items} JSON values"):
+        layout_file(specs)
+    monkeypatch.setattr(_format, "MAX_JSON_ITEMS", items)
+    monkeypatch.setattr(_format, "MAX_HEADER_BYTES", 4096)
+    with pytest.raises(ValueError, match="more than a reader takes"):
+        layout_file([(f"{i:0100}", torch.uint8, (1,)) for i in range(100)])

@@ -4,6 +4,7 @@ the whole document at once gives; and the records a plan keeps are its files' la
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -11,10 +12,13 @@ import pytest
 import torch
 import xxhash
 
-from aiopersist._exceptions import CheckpointCorruptError
+from aiopersist import _manifest as manifest_module
+from aiopersist._exceptions import CheckpointCorruptError, UnsupportedStateError
 from aiopersist._flatten import ViewSpec, flatten
-from aiopersist._format import MAX_DIMS
+from aiopersist._format import MAX_DIMS, MAX_HEADER_BYTES, MAX_JSON_ITEMS, json_items
 from aiopersist._manifest import (
+    MAX_INDEX_BYTES,
+    MAX_MANIFEST_BYTES,
     FileRecord,
     Manifest,
     RankState,
@@ -27,6 +31,7 @@ from aiopersist._manifest import (
     dump_manifest,
     format_version,
     member_directories,
+    parse_index,
     parse_manifest,
     safe_member_name,
 )
@@ -278,3 +283,87 @@ def test_a_shape_of_max_dims_dimensions_parses() -> None:
     # Strides are not a shape: their product is not an element count.
     doc["views"]["v"].update(shape=[1, 1, 1], stride=[1 << 40] * 3)
     assert parse_manifest(_sealed(doc), "m").views["v"].stride == (1 << 40,) * 3
+
+
+def _never(*args: object, **kwargs: object) -> None:
+    raise AssertionError("parsed")
+
+
+def test_a_manifest_of_more_json_values_than_a_checkpoint_holds_is_refused_unparsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """25 MB of empty objects would take 600 MB to parse: refused from a count of bytes."""
+    raw = b'{"format":"aiopersist","version":1,"junk":[' + b"{}," * MAX_JSON_ITEMS + b"{}]}"
+    monkeypatch.setattr(manifest_module.json, "loads", _never)
+    with pytest.raises(
+        CheckpointCorruptError, match=rf"^m: {2 * MAX_JSON_ITEMS + 5} JSON objects, lists and"
+    ):
+        parse_manifest(raw, "m")
+    with pytest.raises(CheckpointCorruptError, match=rf"^m: larger than {MAX_MANIFEST_BYTES} bytes"):
+        parse_manifest(b" " * (MAX_MANIFEST_BYTES + 1), "m")
+    index = b'{"weight_map":{' + b'"a":"b",' * MAX_JSON_ITEMS + b'"c":"d"}}'
+    with pytest.raises(CheckpointCorruptError, match=rf"^i: {MAX_JSON_ITEMS + 2} JSON objects"):
+        parse_index(index, "i")
+    with pytest.raises(CheckpointCorruptError, match=rf"^i: larger than {MAX_INDEX_BYTES} bytes"):
+        parse_index(b" " * (MAX_INDEX_BYTES + 1), "i")
+
+
+def _training_state(n: int) -> tuple[Manifest, bytes]:
+    """The manifest of a training state of ``n`` small tensors, saved by one rank with
+    checksums of their own (version 2): a model's weights, and Adam's two moments and step
+    for each, with long names; and the header of its data file."""
+    layers = n // 4
+    model = {
+        f"model.layers.{i}.block_sparse_moe.experts.{i}.w1.weight": torch.zeros(2) for i in range(layers)
+    }
+    optim = {
+        "state": {
+            i: {"step": torch.zeros(()), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
+            for i in range(layers)
+        },
+        "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "params": list(range(layers))}],
+    }
+    flat = flatten({"model": model, "optim": optim, "step": 3})
+    tensors = describe(flat, 0, 1, None)
+    desc = RankDesc(0, 0, tensors, rank_state(flat, tensors), "tok", flat.model_only)
+    plan = plan_write([desc], 1, 1 << 40)
+    (f,) = plan.files
+    records = {
+        name: dataclasses.replace(rec, checksum="0123456789abcdef") for name, rec in plan.records.items()
+    }
+    size = f.layout.data_offset + f.layout.data_bytes
+    m = Manifest(
+        files={f.name: FileRecord(f.name, size, "0" * 16, f.layout.data_offset)},
+        tensors=records,
+        skeleton=desc.state.skeleton,
+        layout=plan.layout,
+        version=2,
+    )
+    return m, f.layout.header
+
+
+def test_the_bounds_take_the_manifest_of_hundreds_of_thousands_of_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A manifest grows linearly with its tensors: the bounds take 500,000 of a training
+    state's (and its header); the reader takes what the writer writes, up to the limit."""
+    m, header = _training_state(4000)
+    raw = dump_manifest(m)
+    assert len(parse_manifest(raw, "m").tensors) == len(m.tensors) == 4000
+    scale = 500_000 // 4000
+    assert json_items(raw) * scale < MAX_JSON_ITEMS
+    assert len(raw) * scale < MAX_MANIFEST_BYTES
+    assert len(raw) * scale // 2 < MAX_INDEX_BYTES
+    assert json_items(header) * scale < MAX_JSON_ITEMS
+    assert len(header) * scale < MAX_HEADER_BYTES
+    monkeypatch.setattr(manifest_module, "MAX_JSON_ITEMS", json_items(raw))
+    assert len(parse_manifest(dump_manifest(m), "m").tensors) == 4000
+    monkeypatch.setattr(manifest_module, "MAX_JSON_ITEMS", json_items(raw) - 1)
+    with pytest.raises(UnsupportedStateError, match=r"the manifest of these 4000 tensors would be \d+ bytes"):
+        dump_manifest(m)
+    with pytest.raises(CheckpointCorruptError, match="JSON objects, lists and commas"):
+        parse_manifest(raw, "m")
+    monkeypatch.setattr(manifest_module, "MAX_JSON_ITEMS", json_items(raw))
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", len(raw) - 1)
+    with pytest.raises(UnsupportedStateError, match="more than a reader takes"):
+        dump_manifest(m)
