@@ -97,39 +97,69 @@ def file_problem(path: str, nbytes: int | None = None, root: str | None = None) 
     """What is wrong with a file a checkpoint lists (``None``: a regular file, of
     ``nbytes`` bytes when given). Follows no link: neither the file, nor (given the
     directory ``root`` the file's name is relative to) a subdirectory on the way to it."""
+    return _checked_file(path, nbytes, root)[0]
+
+
+def _checked_file(
+    path: str, nbytes: int | None = None, root: str | None = None
+) -> tuple[str | None, os.stat_result | None]:
+    """`file_problem`, and the file's ``lstat`` when there is none."""
     subdirectories = member_directories([os.path.relpath(path, root)]) if root is not None else []
     for sub in subdirectories:  # parents first
         place = os.path.join(root or "", sub)
         try:
             mode = os.lstat(place).st_mode
         except FileNotFoundError:
-            return f"missing (no subdirectory {sub})"
+            return f"missing (no subdirectory {sub})", None
         except OSError as exc:
             raise from_os_error(exc, "lstat", place) from exc
         if not stat.S_ISDIR(mode):
-            return f"{sub} is {_kind_of(mode)}, not a subdirectory"
+            return f"{sub} is {_kind_of(mode)}, not a subdirectory", None
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return "missing"
+        return "missing", None
     except OSError as exc:
         raise from_os_error(exc, "lstat", path) from exc
     if not stat.S_ISREG(st.st_mode):
-        return f"{_kind_of(st.st_mode)}, not a regular file"
+        return f"{_kind_of(st.st_mode)}, not a regular file", None
     if nbytes is not None and st.st_size != nbytes:
-        return f"{st.st_size} bytes, the manifest says {nbytes} (truncated or replaced)"
-    return None
+        return f"{st.st_size} bytes, the manifest says {nbytes} (truncated or replaced)", None
+    return None, st
+
+
+def regular_stat(path: str, where: str, nbytes: int | None = None) -> os.stat_result:
+    """The ``lstat`` of ``path``, a regular file (not a link) of ``nbytes`` bytes when
+    given; `CheckpointCorruptError` naming ``where`` (what listed it) otherwise."""
+    problem, st = _checked_file(path, nbytes)
+    if problem == "missing":
+        raise CheckpointCorruptError(f"{path}: missing ({where} lists it)")
+    if problem is not None or st is None:
+        raise CheckpointCorruptError(f"{path}: {problem} ({where} lists it)")
+    return st
 
 
 def regular_size(path: str, where: str, nbytes: int | None = None) -> int:
     """The size of ``path``, a regular file (not a link) of ``nbytes`` bytes when given;
     `CheckpointCorruptError` naming ``where`` (what listed it) otherwise."""
-    problem = file_problem(path, nbytes)
-    if problem == "missing":
-        raise CheckpointCorruptError(f"{path}: missing ({where} lists it)")
-    if problem is not None:
-        raise CheckpointCorruptError(f"{path}: {problem} ({where} lists it)")
-    return os.lstat(path).st_size
+    return regular_stat(path, where, nbytes).st_size
+
+
+def distinct_files(found: Sequence[tuple[str, os.stat_result]], where: str) -> None:
+    """No two of the files ``found`` (path and ``lstat``) are one file under two names (hard
+    links, or one directory reached twice): `CheckpointCorruptError` naming both. A load
+    would read it, and allocate its size, once for each name (a tarball keeps the links:
+    one file of 16 MiB under 100 names loaded as 1.6 GiB). Empty files are not read, and
+    may be one."""
+    seen: dict[tuple[int, int], str] = {}
+    for path, st in found:
+        if st.st_size == 0:
+            continue
+        first = seen.setdefault((st.st_dev, st.st_ino), path)
+        if first != path:
+            raise CheckpointCorruptError(
+                f"{path}: the same file as {first} (hard links): {where} lists one file under two names"
+            )
 
 
 def read_small(path: str, limit: int) -> bytes:
@@ -238,10 +268,14 @@ def locate(path: PathArg) -> Located:
             for i, names in sorted(by_directory.items()):
                 for sub in member_directories(names):  # parents first: no link on the way
                     _check_part(os.path.join(places[i], sub), mpath, "subdirectory")
-            sizes = {
-                name: regular_size(os.path.join(places[rec.directory], name), mpath, rec.nbytes)
-                for name, rec in manifest.files.items()
+            paths_of = {
+                name: os.path.join(places[rec.directory], name) for name, rec in manifest.files.items()
             }
+            found = [
+                (paths_of[n], regular_stat(paths_of[n], mpath, r.nbytes)) for n, r in manifest.files.items()
+            ]
+            distinct_files(found, mpath)
+            sizes = {name: st.st_size for name, (_, st) in zip(manifest.files, found, strict=True)}
             return Located("manifest", target, (), manifest, probe_file_for_read(mpath), sizes, places)
         index = os.path.join(target, MODEL_INDEX)
         if os.path.lexists(index):
@@ -253,7 +287,9 @@ def locate(path: PathArg) -> Located:
             where = "the directory"
         else:
             raise CheckpointNotFoundError(f"{target}: no {MANIFEST_NAME}, {MODEL_FILE} or {MODEL_INDEX} here")
-        sizes = {f: regular_size(f, where) for f in files}
+        found = [(f, regular_stat(f, where)) for f in files]
+        distinct_files(found, where)
+        sizes = {f: st.st_size for f, st in found}
         return Located("hf-dir", target, files, None, probe_file_for_read(files[0]), sizes)
     if not os.path.lexists(target):
         raise CheckpointNotFoundError(f"{target}: no such checkpoint")

@@ -7,6 +7,7 @@ host memory than the machine has. Every refusal is a typed error naming the faul
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -132,3 +133,44 @@ async def test_save_refuses_a_manifest_or_header_a_reader_would_refuse(
         await aiopersist.save(state, tmp_path / "no", backend=backend_name)
     assert not (tmp_path / "no").exists()
     assert size > 100
+
+
+# -- one file under two names -----------------------------------------------------------------
+
+
+async def test_one_file_under_two_listed_names_is_refused(backend_name: str, tmp_path: Path) -> None:
+    """Hard links (a tarball keeps them): every name passes every check on its own, and a
+    load would read and allocate the file once per name. Nothing of an empty file is read:
+    two names for one are harmless."""
+    ckpt = tmp_path / "c"
+    extra = {"a.txt": b"", "b.txt": b""}
+    await aiopersist.save({"w": torch.zeros(1024), "n": 1}, ckpt, backend=backend_name, extra_files=extra)
+    (ckpt / "b.txt").unlink()
+    os.link(ckpt / "a.txt", ckpt / "b.txt")
+    assert torch.equal((await aiopersist.load(ckpt, backend=backend_name))["w"], torch.zeros(1024))
+
+    def forge(doc: dict[str, Any]) -> None:
+        for i in range(3):
+            os.link(ckpt / "state.safetensors", ckpt / f"s{i}.safetensors")
+            doc["files"][f"s{i}.safetensors"] = dict(doc["files"]["state.safetensors"])
+            doc["tensors"][f"w{i}"] = {**doc["tensors"]["w"], "file": f"s{i}.safetensors"}
+            doc["skeleton"][f"w{i}"] = {"__tensor__": f"w{i}"}
+
+    _rewrite_manifest(ckpt, forge)
+    await _refused(
+        ckpt,
+        backend_name,
+        r"c/s0\.safetensors: the same file as .*c/state\.safetensors \(hard links\): .*aiopersist\.json "
+        "lists one file under two names",
+    )
+
+
+async def test_one_shard_under_two_names_in_an_index_is_refused(backend_name: str, tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    header = json.dumps({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}).encode()
+    (hf / "one.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    os.link(hf / "one.safetensors", hf / "two.safetensors")
+    index = {"weight_map": {"a": "one.safetensors", "b": "two.safetensors"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    await _refused(hf, backend_name, r"two\.safetensors: the same file as .*one\.safetensors \(hard links\)")
