@@ -33,6 +33,7 @@ from ._exceptions import ClosedError as ClosedError
 from ._exceptions import DirectoryInUseError as DirectoryInUseError
 from ._exceptions import DiskFullError as DiskFullError
 from ._exceptions import NewerFormatError as NewerFormatError
+from ._exceptions import NotEnoughMemoryError as NotEnoughMemoryError
 from ._exceptions import RankFailedError as RankFailedError
 from ._exceptions import StateMismatchError as StateMismatchError
 from ._exceptions import UnsupportedStateError as UnsupportedStateError
@@ -85,6 +86,7 @@ __all__ = [
     "KeepLast",
     "KeepSteps",
     "ManagedSaveHandle",
+    "NotEnoughMemoryError",
     "RNGState",
     "RankFailedError",
     "Retention",

@@ -13,6 +13,7 @@ Every error has one root, so ``except aiopersist.AiopersistError`` catches them 
     ├── StateMismatchError (KeyError)         load(into=...): the saved state does not fit
     ├── RankFailedError                       a distributed save failed on another rank
     ├── ClosedError (RuntimeError)            the backend, Checkpointer or manager is closed
+    ├── NotEnoughMemoryError (MemoryError)    a load needs more host memory than is available
     └── SnapshotBudgetError (MemoryError)     Checkpointer(mode="snapshot"): over the budget
                                               (defined in _checkpointer)
 
@@ -120,6 +121,20 @@ class ClosedError(AiopersistError, RuntimeError):
     """The I/O backend, `Checkpointer` or `CheckpointManager` was closed: a request made
     after ``aclose``, or one that was still waiting for a free slot when it came, fails
     with this (nothing of it was submitted)."""
+
+
+class NotEnoughMemoryError(AiopersistError, MemoryError):
+    """A load would allocate more host memory than this process has available (free
+    memory and swap, within its memory cgroup): refused before anything is allocated or
+    read. ``needed`` and ``available`` are the bytes; the message names the checkpoint."""
+
+    def __init__(self, message: str, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+    def __reduce__(self) -> tuple[type[NotEnoughMemoryError], tuple[str, int, int]]:
+        return type(self), (str(self), self.needed, self.available)
 
 
 _DISK_FULL = {_errno.ENOSPC, _errno.EDQUOT}

@@ -59,6 +59,13 @@ def direct_io_enabled() -> bool:
     return os.environ.get("AIOPERSIST_DIRECT_IO", "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
+def memory_check_enabled() -> bool:
+    """``AIOPERSIST_MEMORY_CHECK=0`` lets a load allocate more host memory than the system
+    reports available (where its estimate is wrong: memory that is not counted as
+    available but can be had)."""
+    return os.environ.get("AIOPERSIST_MEMORY_CHECK", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
 def snapshot_bytes() -> int:
     """Most host memory ``Checkpointer(mode="snapshot")`` may copy a state into."""
     return _env_int("AIOPERSIST_SNAPSHOT_BYTES", 8 << 30)

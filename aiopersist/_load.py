@@ -17,11 +17,13 @@ from typing import Any, cast
 
 import torch
 
+from . import _knobs, _memory
 from ._backends import IOBackend, open_backend, to_thread_to_the_end
 from ._direct import AlignedBuffer, DirectIOInfo, empty_for_direct_read
 from ._exceptions import (
     AiopersistError,
     CheckpointCorruptError,
+    NotEnoughMemoryError,
     StateMismatchError,
     UnsupportedStateError,
     maps_os_errors,
@@ -31,7 +33,16 @@ from ._format import FileLayout, header_length, parse_header
 from ._into import load_into
 from ._locate import READ_FLAGS, Located, PathArg, locate
 from ._manifest import FileRecord, Manifest, RankState, new_hasher
-from ._readplan import FileRead, ReadPlan, Span, check_tiling, plan_read, plan_safetensors, plan_verify
+from ._readplan import (
+    FileRead,
+    ReadPlan,
+    Span,
+    check_tiling,
+    host_bytes,
+    plan_read,
+    plan_safetensors,
+    plan_verify,
+)
 from ._skeleton import decode
 from ._staging import StagingPool
 from ._stream import files_at_once, open_for_read, read_segments, run_all, settle
@@ -111,6 +122,25 @@ def _digests(parts: Sequence[torch.Tensor]) -> list[str]:
         _update(hasher, [part])
         out.append(str(hasher.hexdigest()))
     return out
+
+
+def _check_memory(needed: int, where: str) -> None:
+    """`NotEnoughMemoryError` when a load would allocate ``needed`` bytes of host memory
+    and this process has less available (see `_memory`): refused before anything is
+    allocated, so that a checkpoint claiming more than the machine has (a sparse file,
+    whose checksum cannot be checked before it is read) is a typed error, not the OOM
+    killer. Device memory is not counted: a load reads into host memory first."""
+    if needed == 0 or not _knobs.memory_check_enabled():
+        return
+    available = _memory.available_bytes()
+    if available is not None and needed > available:
+        raise NotEnoughMemoryError(
+            f"{where}: loading it needs {needed} bytes ({needed / (1 << 30):.1f} GiB) of host memory, "
+            f"{available} ({available / (1 << 30):.1f} GiB) are available (free memory and swap, within "
+            "this process's memory cgroup); nothing was allocated",
+            needed,
+            available,
+        )
 
 
 class _Destinations:
@@ -248,6 +278,8 @@ async def execute_read(
     """Run a `ReadPlan`: the needed tensors, checked, and the unpickled objects (when the
     plan reads the pickle file). ``progress`` is told of the bytes read and checked as they
     are (see `Progress`)."""
+    where = loc.files[0] if loc.kind == "safetensors" else loc.directory
+    _check_memory(host_bytes(plan, loc.manifest), where)
     dests = _Destinations(plan, loc, pool, prefault)
     prefault.start()
     manifest = loc.manifest

@@ -248,6 +248,26 @@ def plan_safetensors(layouts: Iterable[tuple[str, FileLayout]]) -> ReadPlan:
     return ReadPlan(tuple(targets), tuple(files), frozenset(names))
 
 
+def host_bytes(plan: ReadPlan, manifest: Manifest | None) -> int:
+    """The host memory a load through ``plan`` allocates: every target, the scratch rows
+    of each slice only partly wanted, and what comes before the first span of each file
+    read whole (its header; the whole pickle file). A check-only read (`plan_verify`)
+    streams through the staging pool and allocates none of it."""
+    total = sum(t.nbytes for t in plan.targets)
+    targets = {t.name: t for t in plan.targets}
+    for read in plan.files:
+        for span in read.spans:
+            if span.keep is not None:
+                t = targets[span.target]
+                total += span.slice_rows * math.prod(t.shape[1:]) * int(t.dtype.itemsize)
+        if manifest is not None and read.whole and read.spans:
+            rec = manifest.files[read.file]
+            total += rec.data_offset if rec.data_offset is not None else rec.nbytes
+    if manifest is not None and plan.pickle_file is not None:
+        total += manifest.files[plan.pickle_file].nbytes
+    return total
+
+
 def check_tiling(read: FileRead, head: int, size: int, where: str) -> None:
     """A whole-file read: its spans must cover every byte from ``head`` to ``size``, once."""
     pos = head

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import aiopersist
-from aiopersist import _format, _manifest, _plan
+from aiopersist import _format, _load, _manifest, _memory, _plan
 from aiopersist._format import MAX_DIMS, MAX_JSON_ITEMS
 from tests.io.test_corruption import _rewrite_manifest
 
@@ -174,3 +174,71 @@ async def test_one_shard_under_two_names_in_an_index_is_refused(backend_name: st
     index = {"weight_map": {"a": "one.safetensors", "b": "two.safetensors"}}
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     await _refused(hf, backend_name, r"two\.safetensors: the same file as .*one\.safetensors \(hard links\)")
+
+
+# -- host memory ------------------------------------------------------------------------------
+
+
+def _sparse_checkpoint_claiming(ckpt: Path, nbytes: int) -> None:
+    """A forged checkpoint whose one tensor claims ``nbytes``, in a sparse file (a few
+    blocks on disk, a tiny tarball): its checksum can only fail once it is read."""
+
+    def forge(doc: dict[str, Any]) -> None:
+        f, t = doc["files"]["state.safetensors"], doc["tensors"]["w"]
+        begin = t["offsets"][0]
+        t.update(offsets=[begin, begin + nbytes], shape=[nbytes // 4])
+        f["bytes"] = begin + nbytes
+        os.truncate(ckpt / "state.safetensors", begin + nbytes)
+
+    _rewrite_manifest(ckpt, forge)
+
+
+def _never_allocate(*args: object, **kwargs: object) -> None:
+    raise AssertionError("allocated")
+
+
+async def test_a_load_that_needs_more_host_memory_than_is_available_is_refused_before_allocating(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = tmp_path / "c"
+    await aiopersist.save({"w": torch.zeros(1024), "n": 1}, ckpt, backend=backend_name)
+    _sparse_checkpoint_claiming(ckpt, 256 << 20)
+    monkeypatch.setattr(_memory, "available_bytes", lambda: 64 << 20)
+    with monkeypatch.context() as m:
+        m.setattr(_load, "_allocate", _never_allocate)
+        for into in (None, {"w": torch.zeros(1)}):  # into= reads into host memory first too
+            with pytest.raises(
+                aiopersist.NotEnoughMemoryError, match=r"c: loading it needs 26\d+ bytes"
+            ) as info:
+                await aiopersist.load(ckpt, backend=backend_name, into=into)
+            assert isinstance(info.value, MemoryError)
+            assert (info.value.needed, info.value.available) == (_plan_bytes(ckpt), 64 << 20)
+            assert "67108864 (0.1 GiB) are available" in str(info.value)
+    # verify streams the files through the staging pool: it allocates none of it.
+    with pytest.raises(aiopersist.CheckpointCorruptError, match="checksum mismatch"):
+        await aiopersist.verify(ckpt, backend=backend_name)
+    # The check can be turned off; the load then fails on the checksum.
+    monkeypatch.setenv("AIOPERSIST_MEMORY_CHECK", "0")
+    with pytest.raises(aiopersist.CheckpointCorruptError, match="checksum mismatch"):
+        await aiopersist.load(ckpt, backend=backend_name)
+
+
+def _plan_bytes(ckpt: Path) -> int:
+    """What a load of ``ckpt`` allocates: the data file's header and its tensors."""
+    doc = json.loads((ckpt / "aiopersist.json").read_text())
+    return int(doc["files"]["state.safetensors"]["bytes"])
+
+
+async def test_a_plain_safetensors_file_claiming_more_than_the_memory_available_is_refused(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    header = json.dumps({"w": {"dtype": "U8", "shape": [256 << 20], "data_offsets": [0, 256 << 20]}}).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    os.truncate(path, 8 + len(header) + (256 << 20))
+    monkeypatch.setattr(_memory, "available_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(_load, "_allocate", _never_allocate)
+    with pytest.raises(
+        aiopersist.NotEnoughMemoryError, match=rf"x\.safetensors: loading it needs {256 << 20} bytes"
+    ):
+        await aiopersist.load(path, backend=backend_name)

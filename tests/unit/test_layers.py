@@ -27,7 +27,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # 2. The engine: bytes, not meaning.
     "engine": ("_native", "_backends", "_direct", "_staging", "_stream", "_dist"),
     # 3. File-system conventions: temp, publish, fsync; what is at a path.
-    "fs": ("_commit", "_locate"),
+    "fs": ("_commit", "_locate", "_memory"),
     # 4. The executors of a WritePlan and of a ReadPlan.
     "exec": ("_save", "_load"),
     # 5. Lifecycle objects and the public API.

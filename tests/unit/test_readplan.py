@@ -16,7 +16,15 @@ from aiopersist._manifest import (
     SliceRecord,
     TensorRecord,
 )
-from aiopersist._readplan import FileRead, Span, check_tiling, plan_read, plan_safetensors, plan_verify
+from aiopersist._readplan import (
+    FileRead,
+    Span,
+    check_tiling,
+    host_bytes,
+    plan_read,
+    plan_safetensors,
+    plan_verify,
+)
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -160,3 +168,23 @@ def test_plain_safetensors_files_are_read_by_their_headers_and_may_not_repeat_a_
     assert all(s.checksum is None for f in plan.files for s in f.spans)
     with pytest.raises(CheckpointCorruptError, match="more than one file: 'z'"):
         plan_safetensors([("a", b), ("b", b)])
+
+
+def test_a_plan_counts_the_host_memory_its_load_allocates() -> None:
+    m = _v2()
+    # Checked spans, rows 3..6 of big: shared and mine@0 (4 floats each), big's 3 rows of 4
+    # floats, and the scratch of the slice it keeps one row of (2 rows).
+    assert host_bytes(plan_read(m, m.rank_state(0), {"big": (3, 6)}), m) == 16 + 16 + 48 + 32
+    # Whole files: everything in them, and their headers (8 bytes each).
+    w = _v2(checksums=False)
+    assert host_bytes(plan_read(w, w.rank_state(0)), w) == 16 + 16 + 128 + 8 + 8
+    v1 = _v1()
+    pickled = Manifest(
+        {**v1.files, "pickled.bin": FileRecord("pickled.bin", 10, "p")},
+        v1.tensors,
+        v1.skeleton,
+        pickle_file="pickled.bin",
+    )
+    assert host_bytes(plan_read(pickled, pickled.rank_state(0)), pickled) == 36 + 64
+    assert host_bytes(plan_read(pickled, pickled.rank_state(0), allow_pickle=True), pickled) == 36 + 64 + 10
+    assert host_bytes(plan_verify(m), m) == 0  # streamed through the staging pool
