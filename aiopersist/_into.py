@@ -1,8 +1,9 @@
 """``load(..., into=target)``: put a loaded state into live objects, in place.
 
 Two passes over the target and the loaded state side by side: the first only checks
-(keys, shapes, dtypes, optimizer parameter groups) and collects every mismatch, so that
-nothing is touched unless everything fits (missing and unexpected keys count only with
+(keys, shapes, dtypes, optimizer parameter groups, every part of an `RNGState`'s state:
+a forged one is a `CheckpointCorruptError`) and collects every mismatch, so that nothing
+is touched unless everything fits (missing and unexpected keys count only with
 ``strict``); the second copies tensors in place and hands state dicts to
 ``load_state_dict``. An object's own ``load_state_dict`` may still refuse in the second
 pass (its checks are its own); that error comes as `StateMismatchError`, chained.
@@ -15,7 +16,8 @@ from typing import Any, cast
 
 import torch
 
-from ._exceptions import StateMismatchError
+from ._exceptions import AiopersistError, StateMismatchError
+from ._rng import RNGState, check_rng_state
 
 
 def _is_stateful(obj: object) -> bool:
@@ -37,6 +39,8 @@ class _Check:
                 self.wrong.append(f"{where}: saved a {type(saved).__name__}, not a state dict")
             elif isinstance(target, torch.optim.Optimizer):
                 self.optimizer(target, saved, where)
+            elif isinstance(target, RNGState):
+                check_rng_state(saved, where)  # a forged state: CheckpointCorruptError, now
         elif isinstance(target, torch.Tensor):
             if not isinstance(saved, torch.Tensor):
                 self.wrong.append(f"{where}: saved a {type(saved).__name__}, not a tensor")
@@ -136,6 +140,8 @@ def _apply(target: object, saved: Any, strict: bool) -> object:
     if _is_stateful(target):
         try:
             target.load_state_dict(saved)  # type: ignore[attr-defined]
+        except AiopersistError:
+            raise
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise StateMismatchError(
                 f"{type(target).__name__}.load_state_dict refused the saved state: {exc}"
