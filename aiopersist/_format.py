@@ -66,6 +66,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES[dtype]
 
 
+def dtype_label(dtype: torch.dtype) -> str:
+    """A name of any torch dtype for people: its safetensors name where it has one
+    (``F32``), else torch's own without ``torch.`` (``complex128``, ``qint8``). Never
+    raises (a DCP checkpoint may hold, or its metadata name, any dtype)."""
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else str(dtype).removeprefix("torch.")
+
+
 def dtype_from_name(name: str) -> torch.dtype:
     return _DTYPES[name]
 
@@ -197,6 +205,21 @@ MAX_DIMS = 64
 """Most dimensions a tensor may have, in a header, a manifest or a save: NumPy's limit
 (``Tensor.numpy()`` refuses more), far beyond any real tensor. A longer shape is damaged
 or hostile: refused before anything multiplies its dimensions."""
+
+
+def element_count(shape: Sequence[int]) -> int:
+    """The product of ``shape`` (non-negative integers) when it is at most `MAX_COUNT`;
+    ``MAX_COUNT + 1`` for any larger one. Never builds a number past ``MAX_COUNT``: the
+    product of a forged shape of many huge dimensions (and a 0 among them) would take
+    minutes."""
+    if 0 in shape:
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+        if n > MAX_COUNT:
+            return MAX_COUNT + 1
+    return n
 
 
 def _count(value: object) -> bool:

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
 import statistics
@@ -390,13 +389,13 @@ def _row(
     view_of: str | None = None,
     numpy: bool = False,
 ) -> dict[str, Any]:
-    from .._format import dtype_name
+    from .._format import dtype_label, element_count
 
     return {
         "name": name,
-        "dtype": dtype_name(dtype),
+        "dtype": dtype_label(dtype),  # a DCP checkpoint's may have no safetensors name
         "shape": list(shape),
-        "bytes": math.prod(shape) * dtype.itemsize,
+        "bytes": element_count(shape) * dtype.itemsize,  # shapes are checked: at most 2**62
         "file": file,
         "kind": kind,
         "alias_of": alias_of,

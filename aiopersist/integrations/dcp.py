@@ -104,6 +104,7 @@ from .._exceptions import (
     CheckpointNotFoundError,
     from_os_error,
 )
+from .._format import MAX_COUNT, element_count
 from .._locate import checkpoint_paths, locate, own_parts, read_small, regular_size, token_at
 from .._manifest import (
     EntryRecord,
@@ -998,8 +999,10 @@ def _is_count(value: object) -> bool:
 
 
 def _dims(value: object, what: str, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list | tuple) or not all(_is_count(n) for n in value):
-        raise CheckpointCorruptError(f"{where}: {what} is not a list of sizes")
+    """Sizes or offsets: each from 0 to `MAX_COUNT` (a tensor's must fit torch's int64),
+    and so many elements at most in all."""
+    if not isinstance(value, list | tuple) or not all(_is_count(n) and n <= MAX_COUNT for n in value):
+        raise CheckpointCorruptError(f"{where}: {what} is not a list of sizes from 0 to 2**62")
     return tuple(value)
 
 
@@ -1034,6 +1037,8 @@ def _check_metadata(metadata: object, where: str) -> None:
         ):
             raise CheckpointCorruptError(f"{where}: {fqn}: no tensor properties with a dtype")
         size = _dims(getattr(md, "size", None), f"{fqn}'s size", where)
+        if element_count(size) > MAX_COUNT:
+            raise CheckpointCorruptError(f"{where}: {fqn}: its size holds more than 2**62 elements")
         chunks = getattr(md, "chunks", None)
         if not isinstance(chunks, list | tuple):
             raise CheckpointCorruptError(f"{where}: {fqn}: its chunks are not a list")

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -386,3 +388,160 @@ def test_a_child_forked_with_a_deletion_pending_saves_and_exits_at_once(
     assert "child deletions to wait for at exit 0" in out
     assert "child exit 0" in out
     assert (tmp_path / "ck-child" / ".metadata").is_file()
+
+
+# -- inspect: every dtype DCP can hold or its metadata name; sizes bounded -------------------
+
+
+def _aiopersist_dcp(path: Path, backend_name: str) -> None:
+    dcp.save(
+        {"a": torch.arange(4000.0), "z": torch.randn(4, dtype=torch.complex128)},
+        checkpoint_id=str(path),
+        storage_writer=AiopersistWriter(backend=backend_name),
+    )
+
+
+def _reseal_metadata(ck: Path, md: Metadata) -> None:
+    """``md`` as the checkpoint's ``.metadata``, the manifest re-sealed over it (as a
+    forger would): only what the metadata says is wrong."""
+    from aiopersist._manifest import new_hasher
+
+    raw = pickle.dumps(md)
+    (ck / ".metadata").write_bytes(raw)
+    hasher = new_hasher()
+    hasher.update(raw)
+
+    def change(doc: dict[str, Any]) -> None:
+        doc["files"][".metadata"].update(bytes=len(raw), checksum=hasher.hexdigest())
+
+    _rewrite_manifest(ck, change)
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from aiopersist._cli import main
+
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_inspect_names_a_dtype_safetensors_has_no_name_for(
+    backend_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A valid DCP checkpoint holding a complex128 tensor (safetensors has no name for
+    it): listed under torch's name, where inspect used to stop with a raw KeyError."""
+    from aiopersist._cli.main import describe, format_description
+
+    ck = tmp_path / "ck"
+    _aiopersist_dcp(ck, backend_name)
+    rows = {t["name"]: t for t in describe(ck, backend=backend_name)["tensors"]}
+    assert (rows["z"]["dtype"], rows["z"]["shape"], rows["z"]["bytes"]) == ("complex128", [4], 64)
+    assert (rows["a"]["dtype"], rows["a"]["bytes"]) == ("F32", 16000)
+    assert re.search(r"z +complex128 +\[4\] +64 B", format_description(describe(ck)))
+    rc, out, err = _cli(capsys, "inspect", "--backend", backend_name, str(ck))
+    assert (rc, err) == (0, "")
+    assert re.search(r"z +complex128 +\[4\] +64 B", out)
+    rc, out, err = _cli(capsys, "inspect", "--json", "--backend", backend_name, str(ck))
+    assert (rc, err) == (0, "")
+    assert {t["name"]: t["dtype"] for t in json.loads(out)["tensors"]} == {"a": "F32", "z": "complex128"}
+
+
+def test_inspect_lists_any_dtype_forged_metadata_names(
+    backend_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A hostile ``.metadata`` (re-sealed in the manifest) may name any dtype torch has
+    (quantized, bit, sub-byte ones): inspect lists it by its name, in text and JSON."""
+    from aiopersist._cli.main import describe, format_description
+    from aiopersist._format import DTYPES
+
+    safetensors_names = {dtype: name for name, dtype in DTYPES.items()}
+    ck = tmp_path / "ck"
+    _aiopersist_dcp(ck, backend_name)
+    original = _metadata(ck)
+    dtypes = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
+    assert {torch.qint8, torch.bits8, torch.uint3, torch.complex32} <= set(dtypes)
+    for dtype in dtypes:
+        md = copy.deepcopy(original)
+        md.state_dict_metadata["a"].properties.dtype = dtype  # type: ignore[union-attr]
+        _reseal_metadata(ck, md)
+        name = safetensors_names.get(dtype, str(dtype).removeprefix("torch."))
+        row = {t["name"]: t for t in describe(ck, backend=backend_name)["tensors"]}["a"]
+        assert (row["dtype"], row["bytes"]) == (name, 4000 * dtype.itemsize)
+        assert re.search(rf"\ba +{re.escape(name)} +\[4000\]", format_description(describe(ck)))
+        rc, out, err = _cli(capsys, "inspect", "--json", str(ck))
+        assert (rc, err) == (0, "")
+        assert json.loads(out)["tensors"][0]["dtype"] == name
+
+
+def _sized(size: list[int]) -> Callable[[Metadata], None]:
+    """Tensor ``a`` (4000 elements) claimed to be of ``size``: its one chunk at offset 0
+    of as many dimensions (within it, as the chunk checks want)."""
+
+    def change(md: Metadata) -> None:
+        tensor = md.state_dict_metadata["a"]
+        zeros = [0] * len(size)
+        tensor.size = torch.Size(size) if max(size) < 2**63 else size  # type: ignore[union-attr]
+        tensor.chunks[0].offsets = torch.Size(zeros)  # type: ignore[union-attr]
+        tensor.chunks[0].sizes = torch.Size([4000] + [1] * (len(size) - 1))  # type: ignore[union-attr]
+        md.storage_data[MetadataIndex("a", torch.Size(zeros))] = md.storage_data.pop(A)
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("size", "match"),
+    [
+        ([2**63], "a's size is not a list of sizes from 0 to 2**62"),
+        ([10**400], "a's size is not a list of sizes from 0 to 2**62"),
+        ([2**40, 2**40], "a: its size holds more than 2**62 elements"),
+    ],
+    ids=["past int64", "past a float", "too many elements"],
+)
+def test_sizes_no_tensor_can_have_are_refused_by_inspect_verify_and_load(
+    backend_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], size: list[int], match: str
+) -> None:
+    """A tensor's size in ``.metadata`` past what torch can hold: a typed refusal by
+    inspect (which used to list it, or stop with a raw OverflowError printing its size),
+    verify and a load alike."""
+    from aiopersist._cli.main import describe
+
+    ck = tmp_path / "ck"
+    dcp.save(
+        {"a": torch.arange(4000.0)},
+        checkpoint_id=str(ck),
+        storage_writer=AiopersistWriter(backend=backend_name),
+    )
+    md = _metadata(ck)
+    _sized(size)(md)
+    _reseal_metadata(ck, md)
+    with pytest.raises(aiopersist.CheckpointCorruptError, match=re.escape(match)):
+        describe(ck, backend=backend_name)
+    for args in (["inspect"], ["inspect", "--json"], ["verify"]):
+        rc, out, err = _cli(capsys, *args, "--backend", backend_name, str(ck))
+        assert rc == 1
+        assert match in out + err
+    _refused(ck, backend_name, match)
+
+
+def test_a_size_with_a_zero_among_huge_dimensions_is_listed(
+    backend_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tensor with no element, however large its other dimensions: inspect lists it,
+    0 bytes, without multiplying them out."""
+    from aiopersist._cli.main import describe
+
+    ck = tmp_path / "ck"
+    _aiopersist_dcp(ck, backend_name)
+    md = _metadata(ck)
+    tensor = md.state_dict_metadata["a"]
+    shape = torch.Size([2**62] * 200 + [0])
+    tensor.size = shape  # type: ignore[union-attr]
+    tensor.chunks[0].offsets = torch.Size([0] * 201)  # type: ignore[union-attr]
+    tensor.chunks[0].sizes = shape  # type: ignore[union-attr]
+    md.storage_data[MetadataIndex("a", torch.Size([0] * 201))] = md.storage_data.pop(A)
+    _reseal_metadata(ck, md)
+    row = {t["name"]: t for t in describe(ck, backend=backend_name)["tensors"]}["a"]
+    assert (row["shape"], row["bytes"]) == (list(shape), 0)
+    rc, out, err = _cli(capsys, "inspect", str(ck))
+    assert (rc, err) == (0, "")
+    assert re.search(r"\ba +F32 +\[4611686018427387904, .*, 0\] +0 B", out)

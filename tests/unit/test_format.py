@@ -163,3 +163,23 @@ def test_the_writer_refuses_a_header_the_reader_refuses(monkeypatch: pytest.Monk
     monkeypatch.setattr(_format, "MAX_HEADER_BYTES", 4096)
     with pytest.raises(ValueError, match="more than a reader takes"):
         layout_file([(f"{i:0100}", torch.uint8, (1,)) for i in range(100)])
+
+
+def test_dtype_label_names_every_torch_dtype() -> None:
+    from aiopersist._format import dtype_label
+
+    assert dtype_label(torch.float32) == "F32"
+    assert dtype_label(torch.complex128) == "complex128"
+    for dtype in {d for d in vars(torch).values() if isinstance(d, torch.dtype)}:
+        assert dtype_label(dtype)  # never raises
+
+
+def test_element_count_stops_past_max_count() -> None:
+    from aiopersist._format import MAX_COUNT, element_count
+
+    assert element_count(()) == 1
+    assert element_count((3, 4)) == 12
+    assert element_count((MAX_COUNT,)) == MAX_COUNT
+    assert element_count((MAX_COUNT, 2)) == MAX_COUNT + 1
+    assert element_count((2**62,) * 100_000 + (0,)) == 0  # not multiplied out (minutes)
+    assert element_count((2,) * 100_000) == MAX_COUNT + 1
