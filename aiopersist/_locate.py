@@ -22,6 +22,7 @@ where the manifest points: a copied or forked run reads its own parts.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from collections.abc import Sequence
@@ -176,9 +177,11 @@ def read_small(path: str, limit: int) -> bytes:
             raise CheckpointCorruptError(f"{path}: a symbolic link, not a regular file") from None
         raise from_os_error(exc, "open", path) from exc
     try:
+        if os.fstat(fd).st_size > limit:  # refused before reading any of it
+            raise CheckpointCorruptError(f"{path}: larger than {limit} bytes")
         chunks = []
         total = 0
-        while total <= limit:
+        while total <= limit:  # and if it grows meanwhile, no more than the limit is read
             chunk = os.read(fd, min(1 << 24, limit + 1 - total))
             if not chunk:
                 break
@@ -191,6 +194,20 @@ def read_small(path: str, limit: int) -> bytes:
     if total > limit:
         raise CheckpointCorruptError(f"{path}: larger than {limit} bytes")
     return b"".join(chunks)
+
+
+def read_json(path: str, limit: int) -> object:
+    """A small JSON file of a checkpoint (a Trainer's ``trainer_state.json``) read with
+    `read_small` (a regular file, not a link, at most ``limit`` bytes) and parsed: a
+    `CheckpointCorruptError` naming ``path`` for anything that is not UTF-8 JSON, nesting
+    too deep to parse (a ``RecursionError`` otherwise) included."""
+    raw = read_small(path, limit)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and ints past the digit limit
+        raise CheckpointCorruptError(f"{path}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise CheckpointCorruptError(f"{path}: JSON nested too deep to parse (damaged or hostile)") from None
 
 
 def read_manifest(directory: str) -> Manifest:

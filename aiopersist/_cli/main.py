@@ -39,6 +39,8 @@ from .._exceptions import (
 from .._manifest import dcp_directories
 from .progress import Progress, human
 
+log = logging.getLogger("aiopersist")
+
 
 def _doctor(args: argparse.Namespace) -> int:
     path = _existing_directories([args.path])[0]
@@ -751,31 +753,40 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_TRAINER_STATE_BYTES = 1 << 30
+"""The largest ``trainer_state.json`` that `_trainer_best` reads (as large as a manifest
+may be; the Trainer's log history of a very long run is some hundreds of MB at most)."""
+
+
 def _trainer_best(checkpoints: Sequence[StepInfo], *, strict: bool) -> int | None:
     """The step of the best checkpoint (``best_model_checkpoint``) that the newest
     ``trainer_state.json`` of a Trainer's complete ``checkpoint-N`` records, known by its
-    name wherever the run was; ``None`` when none records one. One that cannot be read
-    raises `ValueError` when ``strict`` (gc must not guess what to keep), else is ``None``."""
+    name wherever the run was; ``None`` when none records one. The file is read as a
+    checkpoint's own files are (`read_json`: a regular file, not a link, of at most
+    `MAX_TRAINER_STATE_BYTES`). One that cannot be read or understood, whatever the
+    reason, raises `ValueError` when ``strict`` (gc must not guess what to keep), else is
+    ``None`` (the listing goes on)."""
+    from .._locate import read_json
     from .._names import TRAINER_STATE, TRAINER_STEPS
 
     for c in sorted(checkpoints, key=lambda c: c.step, reverse=True):
         path = os.path.join(c.path, TRAINER_STATE)
-        if not c.complete or not os.path.isfile(path):
+        if not c.complete or not os.path.lexists(path):
             continue
         try:
-            with open(path, "rb") as f:
-                state = json.load(f)
+            state = read_json(path, MAX_TRAINER_STATE_BYTES)
             best = state.get("best_model_checkpoint") if isinstance(state, dict) else None
             if not isinstance(state, dict) or not isinstance(best, str | None):
                 raise ValueError("not a Trainer state with a best_model_checkpoint")
             step = TRAINER_STEPS.step_at(best) if best else None
             if best and step is None:
-                raise ValueError(f"best_model_checkpoint {best!r} names no checkpoint-N")
-        except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+                raise ValueError(f"best_model_checkpoint {best[:200]!r} names no checkpoint-N")
+        except Exception as exc:  # whatever is wrong with it: the best is unknown
+            log.debug("aiopersist: reading %s raised", path, exc_info=True)
             if strict:
-                raise ValueError(
-                    f"{path}: cannot tell the best checkpoint: {exc}; nothing was deleted"
-                ) from exc
+                reason = str(exc).removeprefix(f"{path}: ")  # read_json's errors name it
+                message = f"{path}: cannot tell the best checkpoint: {reason}; nothing was deleted"
+                raise ValueError(message) from exc
             return None
         return step
     return None

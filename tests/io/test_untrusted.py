@@ -697,3 +697,93 @@ async def test_gc_over_two_disks_removes_the_parts_by_token(
     assert sorted(p.name for p in b.iterdir() if p.name.startswith("step-")) == ["step-3"]
     async with aiopersist.CheckpointManager([a, b], backend=backend_name) as mgr:
         assert (await mgr.restore())["step"] == 3
+
+
+# -- a Trainer's trainer_state.json, read by ls and gc ------------------------------------------
+
+
+def _state_file(best: str | None, pad: int = 0) -> bytes:
+    return json.dumps({"best_model_checkpoint": best, "log_history": ["x" * pad]}).encode()
+
+
+def _deep_list(checkpoint: Path) -> None:
+    (checkpoint / "trainer_state.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+
+
+def _link(checkpoint: Path) -> None:
+    # What it leads to names checkpoint-1 the best: a link is not followed, so no best.
+    elsewhere = checkpoint.parent.parent / "elsewhere.json"
+    elsewhere.write_bytes(_state_file(str(checkpoint.parent / "checkpoint-1")))
+    (checkpoint / "trainer_state.json").symlink_to(elsewhere)
+
+
+def _too_large(checkpoint: Path) -> None:
+    # Valid, naming checkpoint-1 the best, but over the limit (lowered to 1000 bytes here).
+    (checkpoint / "trainer_state.json").write_bytes(_state_file("checkpoint-1", pad=2000))
+
+
+DEEP_DICT = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
+"""A ``trainer_state.json`` in an `AioPersistCallback` checkpoint (listed by its manifest)."""
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_deep_list, "JSON nested too deep to parse"),
+        (DEEP_DICT, "JSON nested too deep to parse"),
+        (_link, "a symbolic link, not a regular file"),
+        (_too_large, "larger than 1000 bytes"),
+    ],
+    ids=["deep list", "deep dict, callback checkpoint", "link", "too large"],
+)
+async def test_an_unreadable_trainer_state_leaves_the_best_unknown_and_the_listing_going(
+    backend_name: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    damage: Any,
+    reason: str,
+) -> None:
+    """The newest checkpoint's ``trainer_state.json`` nested past Python's recursion limit,
+    a link, or too large: ``ls`` lists every checkpoint without a best (it stopped on a
+    RecursionError, followed the link, read any size), and ``gc`` refuses with the reason,
+    deleting nothing."""
+    import importlib
+
+    cli = importlib.import_module("aiopersist._cli.main")  # the module (the package exports its main)
+    if damage is _too_large:
+        monkeypatch.setattr(cli, "MAX_TRAINER_STATE_BYTES", 1000, raising=False)
+    run = tmp_path / "out" / "run"
+    for step in (1, 2):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_bytes(_state_file("checkpoint-1"))
+    newest = run / "checkpoint-3"
+    if isinstance(damage, bytes):
+        extra = {"trainer_state.json": damage}
+        await aiopersist.save({"w": torch.ones(4)}, newest, extra_files=extra, backend=backend_name)
+    else:
+        newest.mkdir()
+        damage(newest)
+    assert cli.main(["ls", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split()[1] for line in out.splitlines()[1:4]] == [f"checkpoint-{s}" for s in (1, 2, 3)]
+    assert "best" not in out
+    assert err == ""
+    assert cli.main(["ls", "--json", str(run)]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(d["name"], d["complete"], d["best"]) for d in listed] == [
+        ("checkpoint-1", True, False), ("checkpoint-2", True, False), ("checkpoint-3", True, False)
+    ]  # fmt: skip
+    for args in (["--keep-last", "1"], ["--keep-last", "1", "--apply"]):
+        assert cli.main(["gc", str(run), *args]) == 1
+        out, err = capsys.readouterr()
+        assert f"{newest / 'trainer_state.json'}: cannot tell the best checkpoint: {reason}" in err
+        assert "nothing was deleted" in err
+    assert sorted(n for n in os.listdir(run) if n.startswith("checkpoint-")) == [
+        "checkpoint-1", "checkpoint-2", "checkpoint-3"
+    ]  # fmt: skip
+    # The same checkpoints with a sound state: the best is known again.
+    os.unlink(newest / "trainer_state.json")
+    (newest / "trainer_state.json").write_bytes(_state_file("checkpoint-1"))
+    assert cli.main(["ls", str(run)]) == 0
+    assert "best (trainer_state.json)" in capsys.readouterr().out
