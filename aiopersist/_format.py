@@ -207,21 +207,6 @@ MAX_DIMS = 64
 or hostile: refused before anything multiplies its dimensions."""
 
 
-def element_count(shape: Sequence[int]) -> int:
-    """The product of ``shape`` (non-negative integers) when it is at most `MAX_COUNT`;
-    ``MAX_COUNT + 1`` for any larger one. Never builds a number past ``MAX_COUNT``: the
-    product of a forged shape of many huge dimensions (and a 0 among them) would take
-    minutes."""
-    if 0 in shape:
-        return 0
-    n = 1
-    for d in shape:
-        n *= d
-        if n > MAX_COUNT:
-            return MAX_COUNT + 1
-    return n
-
-
 def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
 

@@ -391,13 +391,13 @@ def _row(
     view_of: str | None = None,
     numpy: bool = False,
 ) -> dict[str, Any]:
-    from .._format import dtype_label, element_count
+    from .._format import bounded_count, dtype_label
 
     return {
         "name": name,
         "dtype": dtype_label(dtype),  # a DCP checkpoint's may have no safetensors name
         "shape": list(shape),
-        "bytes": element_count(shape) * dtype.itemsize,  # shapes are checked: at most 2**62
+        "bytes": (bounded_count(shape) or 0) * dtype.itemsize,  # shapes are checked: at most 2**62
         "file": file,
         "kind": kind,
         "alias_of": alias_of,

@@ -104,7 +104,7 @@ from .._exceptions import (
     CheckpointNotFoundError,
     from_os_error,
 )
-from .._format import MAX_COUNT, element_count
+from .._format import MAX_COUNT, bounded_count
 from .._locate import checkpoint_paths, locate, own_parts, read_small, regular_size, token_at
 from .._manifest import (
     EntryRecord,
@@ -1037,7 +1037,7 @@ def _check_metadata(metadata: object, where: str) -> None:
         ):
             raise CheckpointCorruptError(f"{where}: {fqn}: no tensor properties with a dtype")
         size = _dims(getattr(md, "size", None), f"{fqn}'s size", where)
-        if element_count(size) > MAX_COUNT:
+        if bounded_count(size) is None:
             raise CheckpointCorruptError(f"{where}: {fqn}: its size holds more than 2**62 elements")
         chunks = getattr(md, "chunks", None)
         if not isinstance(chunks, list | tuple):
