@@ -279,8 +279,12 @@ async def execute_read(
     plan reads the pickle file). ``progress`` is told of the bytes read and checked as they
     are (see `Progress`)."""
     where = loc.files[0] if loc.kind == "safetensors" else loc.directory
-    _check_memory(host_bytes(plan, loc.manifest), where)
-    dests = _Destinations(plan, loc, pool, prefault)
+
+    def allocate() -> _Destinations:
+        _check_memory(host_bytes(plan, loc.manifest), where)
+        return _Destinations(plan, loc, pool, prefault)
+
+    dests = await asyncio.to_thread(allocate)  # one allocation per tensor: off the event loop
     prefault.start()
     manifest = loc.manifest
 
@@ -414,7 +418,7 @@ async def _read_header(be: IOBackend, path: str, size: int) -> FileLayout:
             raise CheckpointCorruptError(f"{path}: header is truncated")
     finally:
         await be.close(fd)
-    return parse_header(bytes(raw), size, path)
+    return await asyncio.to_thread(parse_header, bytes(raw), size, path)  # megabytes of JSON
 
 
 def _rank_to_load(manifest: Manifest, rank: int | None) -> int:

@@ -220,9 +220,9 @@ class _TorchSaveSink:
 
     def _hand_on_batch(self) -> None:
         if self._batch:
-            with memoryview(self._batch) as view:
-                self._hand_on(view)  # copied into staging before it returns
-            del self._batch[:]
+            # A fresh batch: views of the old one may outlive the write (never resized).
+            batch, self._batch = self._batch, bytearray()
+            self._hand_on(memoryview(batch))
 
     def write(self, data: Any) -> int:
         try:
@@ -248,9 +248,8 @@ class _TorchSaveSink:
     async def drain(self) -> None:
         """On the loop, once ``torch.save`` has returned: write the last batch."""
         if self._batch:
-            with memoryview(self._batch) as view:
-                await self._writer.write(view)
-            del self._batch[:]
+            batch, self._batch = self._batch, bytearray()
+            await self._writer.write(memoryview(batch))
 
     def tell(self) -> int:
         return self._pos

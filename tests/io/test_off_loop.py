@@ -90,7 +90,7 @@ async def test_truncating_a_direct_io_file_to_its_size_is_off_the_loop(
 async def test_torch_save_s_small_writes_reach_the_loop_in_batches(
     backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An optimizer-like state of 3000 small tensors: ``torch.save`` writes it in
+    """An optimizer-like state of 12,000 small tensors (several batches): ``torch.save`` writes it in
     thousands of pieces; the writer on the loop gets a few batches, and the file is
     byte for byte what ``torch.save`` writes."""
     calls = 0
@@ -103,7 +103,7 @@ async def test_torch_save_s_small_writes_reach_the_loop_in_batches(
 
     monkeypatch.setattr(FileWriter, "write", write)
     optim = {
-        "state": {i: {"exp_avg": torch.full((7,), float(i)), "step": torch.tensor(i)} for i in range(1500)}
+        "state": {i: {"exp_avg": torch.full((7,), float(i)), "step": torch.tensor(i)} for i in range(6000)}
     }
     await aiopersist.save(
         {"w": torch.ones(2)},
@@ -115,5 +115,41 @@ async def test_torch_save_s_small_writes_reach_the_loop_in_batches(
     assert calls <= size // _save._SINK_BATCH + 4  # batches, and the other files' writes
     back = torch.load(tmp_path / "ck" / "optim.pt", weights_only=True)
     assert back["state"].keys() == optim["state"].keys()
-    assert all(torch.equal(back["state"][i]["exp_avg"], optim["state"][i]["exp_avg"]) for i in (0, 777, 1499))
+    assert all(torch.equal(back["state"][i]["exp_avg"], optim["state"][i]["exp_avg"]) for i in (0, 777, 5999))
     await aiopersist.verify(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("layout", ["aiopersist", "safetensors-file"])
+async def test_a_load_allocates_and_parses_headers_off_the_loop(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """One allocation per tensor and the parse of a header (megabytes of JSON for a large
+    model) run in worker threads."""
+    from aiopersist import _load
+
+    state = _state()
+    if layout == "aiopersist":
+        await aiopersist.save(state, tmp_path / "ck", backend=backend_name)
+        path = tmp_path / "ck"
+    else:
+        from safetensors.torch import save_file
+
+        save_file(state, str(tmp_path / "m.safetensors"))
+        path = tmp_path / "m.safetensors"
+    loop_thread = threading.get_ident()
+    seen: dict[str, set[int]] = {"allocate": set(), "parse_header": set()}
+
+    def watched(name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen[name].add(threading.get_ident())
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(_load, "_allocate", watched("allocate", _load._allocate))
+    monkeypatch.setattr(_load, "parse_header", watched("parse_header", _load.parse_header))
+    back = await aiopersist.load(path, backend=backend_name)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    assert seen["allocate"]
+    assert seen["parse_header"] or layout == "aiopersist"  # the manifest describes the file
+    assert loop_thread not in seen["allocate"] | seen["parse_header"]
