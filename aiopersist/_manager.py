@@ -548,6 +548,10 @@ class CheckpointManager:
         self._reading: set[str] = set()
         self._writing: set[int] = set()
         self._mirroring: set[int] = set()
+        self._unmirrored: set[int] = set()
+        """Steps committed locally whose own mirroring has not been tried yet: the local
+        retention of a later step leaves them (the mirror's copy claims them only once it
+        starts, which may be after that retention)."""
         self._tasks: set[asyncio.Future[None]] = set()
         self._mirror_lock: asyncio.Lock | None = None
         self._closed = False
@@ -694,28 +698,33 @@ class CheckpointManager:
             try:
                 info = await asyncio.shield(managed.done)
             except BaseException as exc:
-                _fail_quietly(mirrored, exc)
-                return
-            finally:
                 self._writing.discard(managed.step)
-            if info is None or not _is_rank0():
-                _resolve(mirrored, None)
-                return
-            await asyncio.to_thread(self._retain, self.directories, self.retention, "local", managed.step)
-            if self.mirror is None:
-                _resolve(mirrored, None)
-                return
-            try:
-                await self._sync_mirror()
-            except Exception as exc:
-                log.warning(
-                    "aiopersist: mirroring step %d to %s failed (retried after the next save): %s",
-                    managed.step,
-                    self.mirror,
-                    exc,
-                )
                 _fail_quietly(mirrored, exc)
                 return
+            if self.mirror is not None and info is not None:
+                self._unmirrored.add(managed.step)  # before the writing set lets go of it
+            self._writing.discard(managed.step)
+            try:
+                if info is None or not _is_rank0():
+                    _resolve(mirrored, None)
+                    return
+                await asyncio.to_thread(self._retain, self.directories, self.retention, "local", managed.step)
+                if self.mirror is None:
+                    _resolve(mirrored, None)
+                    return
+                try:
+                    await self._sync_mirror()
+                except Exception as exc:
+                    log.warning(
+                        "aiopersist: mirroring step %d to %s failed (retried after the next save): %s",
+                        managed.step,
+                        self.mirror,
+                        exc,
+                    )
+                    _fail_quietly(mirrored, exc)
+                    return
+            finally:
+                self._unmirrored.discard(managed.step)
             # Steps that waited to be mirrored were spared by the local retention above.
             await asyncio.to_thread(self._retain, self.directories, self.retention, "local", managed.step)
             path = os.path.join(self.mirror, step_name(managed.step))
@@ -735,6 +744,7 @@ class CheckpointManager:
         protected = (
             set(self._writing)
             | set(self._mirroring)
+            | set(self._unmirrored)
             | {s.step for s in complete if os.path.normpath(s.path) in self._reading}
             | ({committed} if committed is not None else set())
         )

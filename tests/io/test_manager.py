@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -618,3 +619,31 @@ async def test_the_async_scans_run_off_the_event_loop(
         assert [s.step for s in await mgr.ascan()] == [1, 2]
     assert readers
     assert loop_thread not in readers
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_step_waiting_for_the_mirror_is_not_deleted_locally_first(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a slow mirror, later steps commit while an earlier copy runs: a committed
+    step whose own copy has not started yet is spared by their local retention, so every
+    step the mirror's policy keeps reaches it (the mirror lost steps under load)."""
+    from aiopersist import _manager
+
+    real = _manager.copy_step
+
+    def slow_copy(*args: Any) -> Any:
+        time.sleep(0.3)  # a slow shared file system
+        return real(*args)
+
+    monkeypatch.setattr(_manager, "copy_step", slow_copy)
+    local, mirror = tmp_path / "local", tmp_path / "shared"
+    async with aiopersist.CheckpointManager(
+        local, keep_last=1, mirror=mirror, mirror_retention=aiopersist.KeepAll(), backend=backend
+    ) as mgr:
+        for step in range(1, 6):
+            await (await mgr.save(step, state_of(step))).done
+        await mgr.wait()
+    assert _names(local) == ["step-5"]
+    assert _names(mirror) == [f"step-{s}" for s in range(1, 6)]
