@@ -21,6 +21,7 @@ where the manifest points: a copied or forked run reads its own parts.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -175,6 +176,11 @@ def read_small(path: str, limit: int) -> bytes:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise CheckpointCorruptError(f"{path}: a symbolic link, not a regular file") from None
+        if exc.errno == errno.ENXIO:  # a socket cannot be opened: what it is, not an I/O error
+            with contextlib.suppress(OSError):
+                mode = os.lstat(path).st_mode
+                if not stat.S_ISREG(mode):
+                    raise CheckpointCorruptError(f"{path}: {_kind_of(mode)}, not a regular file") from None
         raise from_os_error(exc, "open", path) from exc
     try:
         if os.fstat(fd).st_size > limit:  # refused before reading any of it

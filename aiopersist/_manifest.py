@@ -846,7 +846,7 @@ def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
             raise CheckpointCorruptError(
                 f"{where}: pickle: {pickle_file!r} is not a listed file without tensors"
             )
-    metadata = doc.get("metadata") or {}
+    metadata = doc.get("metadata", {})  # always written as an object: 0 or [] is no metadata
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointCorruptError(f"{where}: metadata must map strings to strings")
     layout = doc.get("layout", "state")

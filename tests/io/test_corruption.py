@@ -120,6 +120,17 @@ async def test_newer_format_version(backend_name: str, tmp_path: Path) -> None:
     await _both_fail(ckpt, backend_name, r"format version 99 is newer")
 
 
+@pytest.mark.parametrize("bad", [0, [], "", False, None, ["a"], {"k": 1}])
+async def test_metadata_that_is_not_an_object_of_strings_is_refused(
+    backend_name: str, tmp_path: Path, bad: object
+) -> None:
+    """The writer always writes an object: a falsy non-object (``0``, ``[]``) is as wrong
+    as any other."""
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    _rewrite_manifest(ckpt, lambda d: d.update(metadata=bad))
+    await _both_fail(ckpt, backend_name, r"metadata must map strings to strings")
+
+
 @pytest.mark.parametrize("bad", ["../outside.safetensors", "/etc/passwd", "sub/dir.safetensors", ".."])
 async def test_manifest_paths_cannot_escape(backend_name: str, tmp_path: Path, bad: str) -> None:
     ckpt = await _checkpoint(tmp_path, backend_name)

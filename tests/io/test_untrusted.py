@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -251,6 +252,25 @@ async def test_a_fifo_never_hangs_load_or_verify(backend_name: str, tmp_path: Pa
     async with aiopersist.CheckpointManager(tmp_path / "run", backend=backend_name) as mgr:
         assert mgr.steps() == [1]
         assert (await mgr.restore())["step"] == 3
+
+
+@pytest.mark.parametrize("name", ["aiopersist.json", "model.safetensors.index.json"])
+async def test_a_socket_in_place_of_a_small_file_is_refused_as_what_it_is(
+    backend_name: str, tmp_path: Path, name: str
+) -> None:
+    """A manifest or an index that is a socket is a damaged checkpoint (as a FIFO or a
+    device is), not an I/O error (opening a socket fails with ENXIO)."""
+    import socket
+
+    if name == "aiopersist.json":
+        ckpt = await _checkpoint(tmp_path / "c", backend_name)
+        (ckpt / name).unlink()
+    else:
+        ckpt = tmp_path / "hf"
+        ckpt.mkdir()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(ckpt / name))
+        await _refused(ckpt, backend_name, rf"{re.escape(name)}: a socket, not a regular file")
 
 
 @pytest.mark.timeout(60)
