@@ -184,6 +184,21 @@ def check_json_items(raw: bytes, where: str, limit: int) -> None:
         )
 
 
+def load_json(raw: bytes, where: str, invalid: str = "not valid JSON", limit: int | None = None) -> object:
+    """``raw``, a JSON document read from a checkpoint (a header, a manifest, an index, a
+    Trainer's state), parsed; `CheckpointCorruptError` naming ``where`` for more values
+    than ``limit`` (`MAX_JSON_ITEMS` by default; refused unparsed), bytes that are not
+    UTF-8 JSON (``invalid`` says so), or nesting too deep to parse (a ``RecursionError``
+    otherwise)."""
+    check_json_items(raw, where, MAX_JSON_ITEMS if limit is None else limit)
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and ints past the digit limit
+        raise CheckpointCorruptError(f"{where}: {invalid} ({exc})") from exc
+    except RecursionError:
+        raise CheckpointCorruptError(f"{where}: JSON nested too deep to parse (damaged or hostile)") from None
+
+
 def header_length(prefix: bytes, file_size: int, name: str) -> int:
     """Validate the 8-byte length prefix of a safetensors file; returns the JSON length."""
     if len(prefix) < 8 or file_size < 8:
@@ -265,13 +280,7 @@ def parse_header(header_json: bytes, file_size: int, name: str) -> FileLayout:
     Raises `CheckpointCorruptError` naming ``name`` for anything malformed: bad
     JSON, unknown dtype, offsets out of order, overlapping, gapped or past the end.
     """
-    check_json_items(header_json, f"{name}: header", MAX_JSON_ITEMS)
-    try:
-        raw = json.loads(header_json.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and ints past the digit limit
-        raise CheckpointCorruptError(f"{name}: header is not valid JSON ({exc})") from exc
-    except RecursionError:
-        raise CheckpointCorruptError(f"{name}: header JSON nested too deep (damaged or hostile)") from None
+    raw = load_json(header_json, f"{name}: header")
     if not isinstance(raw, dict):
         raise CheckpointCorruptError(f"{name}: header is not a JSON object")
     metadata = raw.pop("__metadata__", None) or {}

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import stat
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 
 from ._direct import DirectIOInfo, open_regular, probe_file_for_read
 from ._exceptions import AiopersistError, CheckpointCorruptError, CheckpointNotFoundError, from_os_error
+from ._format import load_json
 from ._manifest import (
     MAX_INDEX_BYTES,
     MAX_MANIFEST_BYTES,
@@ -204,16 +204,10 @@ def read_small(path: str, limit: int) -> bytes:
 
 def read_json(path: str, limit: int) -> object:
     """A small JSON file of a checkpoint (a Trainer's ``trainer_state.json``) read with
-    `read_small` (a regular file, not a link, at most ``limit`` bytes) and parsed: a
-    `CheckpointCorruptError` naming ``path`` for anything that is not UTF-8 JSON, nesting
-    too deep to parse (a ``RecursionError`` otherwise) included."""
-    raw = read_small(path, limit)
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and ints past the digit limit
-        raise CheckpointCorruptError(f"{path}: not valid JSON ({exc})") from exc
-    except RecursionError:
-        raise CheckpointCorruptError(f"{path}: JSON nested too deep to parse (damaged or hostile)") from None
+    `read_small` (a regular file, not a link, at most ``limit`` bytes) and parsed with
+    `load_json` (bounded values; `CheckpointCorruptError` naming ``path`` for anything
+    that is not UTF-8 JSON, or nests too deep to parse)."""
+    return load_json(read_small(path, limit), path)
 
 
 def read_manifest(directory: str) -> Manifest:

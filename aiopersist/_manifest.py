@@ -21,7 +21,7 @@ import xxhash
 
 from ._exceptions import CheckpointCorruptError, NewerFormatError, UnsupportedStateError
 from ._flatten import ViewSpec, dtype_of
-from ._format import DTYPES, MAX_DIMS, MAX_JSON_ITEMS, bounded_count, check_json_items, dtype_name, json_items
+from ._format import DTYPES, MAX_DIMS, MAX_JSON_ITEMS, bounded_count, dtype_name, json_items, load_json
 from ._format import short_repr as _short
 from ._names import MANIFEST_NAME, PART_RE
 from ._skeleton import check_skeleton
@@ -558,13 +558,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
 def _parse_manifest(raw: bytes, where: str) -> Manifest:
     if len(raw) > MAX_MANIFEST_BYTES:
         raise CheckpointCorruptError(f"{where}: larger than {MAX_MANIFEST_BYTES} bytes")
-    check_json_items(raw, where, MAX_JSON_ITEMS)
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, and ints past Python's digit limit
-        raise CheckpointCorruptError(f"{where}: not valid JSON ({exc})") from exc
-    except RecursionError:
-        raise CheckpointCorruptError(f"{where}: JSON nested too deep to parse (damaged or hostile)") from None
+    doc = load_json(raw, where, limit=MAX_JSON_ITEMS)
     if not isinstance(doc, dict):
         raise CheckpointCorruptError(f"{where}: not a JSON object")
     if doc.get("format") != FORMAT:
@@ -906,13 +900,7 @@ def parse_index(raw: bytes, where: str) -> list[str]:
     once), checked like a manifest's file names; `CheckpointCorruptError` otherwise."""
     if len(raw) > MAX_INDEX_BYTES:
         raise CheckpointCorruptError(f"{where}: larger than {MAX_INDEX_BYTES} bytes")
-    check_json_items(raw, where, MAX_JSON_ITEMS)
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointCorruptError(f"{where}: not a valid safetensors index ({exc})") from exc
-    except RecursionError:
-        raise CheckpointCorruptError(f"{where}: JSON nested too deep to parse (damaged or hostile)") from None
+    doc = load_json(raw, where, "not a valid safetensors index", MAX_JSON_ITEMS)
     weight_map = _object(_object(doc, "the index", where).get("weight_map"), "weight_map", where)
     if not weight_map:
         raise CheckpointCorruptError(f"{where}: weight_map is empty: the index names no file")
