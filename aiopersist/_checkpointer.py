@@ -44,7 +44,9 @@ from ._save import (
     SaveInfo,
     TorchSave,
     check_save_arguments,
+    fail_together,
     flatten_off_loop,
+    given_path,
     save_state,
     torch_save_to,
 )
@@ -199,25 +201,30 @@ class Checkpointer:
         events instead (device index -> ``torch.cuda.Event``), for a state produced on
         other streams; devices it leaves out get an event here.
         """
-        if self._closed:
-            raise ClosedError("the Checkpointer is closed")
-        paths = checkpoint_paths(path)
-        coord = coordinator(group)  # before any await, as every rank's first step
-        if coord is not None and self.max_in_flight > 1:
-            raise ValueError(
-                "max_in_flight > 1 with several ranks: saves would exchange metadata in an order "
-                "that may differ between ranks; use max_in_flight=1"
-            )
-        if coord is not None and self.on_busy == "skip":
-            raise ValueError(
-                "on_busy='skip' with several ranks: each rank would decide alone, so one could skip "
-                "a save another one runs; use on_busy='wait'"
-            )
+        # First, before any await and any check that could fail on one rank alone: it may
+        # make the checkpoint's gloo group, a collective of every rank. A failure of this
+        # rank before its first exchange is told to the others there (fail_together).
+        coord = coordinator(group)
+        try:
+            if self._closed:
+                raise ClosedError("the Checkpointer is closed")
+            paths = checkpoint_paths(path)
+            if coord is not None and self.max_in_flight > 1:
+                raise ValueError(
+                    "max_in_flight > 1 with several ranks: saves would exchange metadata in an order "
+                    "that may differ between ranks; use max_in_flight=1"
+                )
+            if coord is not None and self.on_busy == "skip":
+                raise ValueError(
+                    "on_busy='skip' with several ranks: each rank would decide alone, so one could skip "
+                    "a save another one runs; use on_busy='wait'"
+                )
+        except Exception as exc:
+            await fail_together(coord, given_path(path), exc)
         loop = asyncio.get_running_loop()
         start = loop.time()
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_in_flight)
-            self._backend = create_backend(self._backend_name, queue_depth=self._queue_depth)
         target = paths[0]
         if self._slots.locked() and self.on_busy == "skip":
             log.info("aiopersist: a save is still running; skipping the save to %s", target)
@@ -230,6 +237,8 @@ class Checkpointer:
         try:
             if self._closed:
                 raise ClosedError("the Checkpointer was closed while this save waited for a slot")
+            if self._backend is None:
+                self._backend = create_backend(self._backend_name, queue_depth=self._queue_depth)
             check_save_arguments(metadata, extra_files, paths, coord.world_size if coord is not None else 1)
             where = _Target(paths, coord, replicated)
             flat = await flatten_off_loop(state, allow_pickle, coord)
@@ -239,6 +248,11 @@ class Checkpointer:
             extras = _extra_tensors(extra_files) if snapshot or torch.cuda.is_available() else _NO_EXTRAS
             total = self._check_budget(flat, extras) if isinstance(flat, Flattened) and snapshot else 0
             ready = _cuda_ready(flat, extras, cuda_ready)
+        except Exception as exc:
+            try:
+                await fail_together(coord, target, exc)  # under the slot: in this save's turn
+            finally:
+                slot.release()
         except BaseException:
             slot.release()
             raise
@@ -350,22 +364,28 @@ class Checkpointer:
         memory: AlignedBuffer | None = None
         try:
             if self.mode == "snapshot" and isinstance(flat, Flattened):
-                memory, stale = self._snapshot_memory(snapshot_total)
-                if stale is not None:
-                    _close_off_loop(stale)
-                if memory is None:  # a new area: mapped in a worker thread
-                    memory = await to_thread_to_the_end(
-                        AlignedBuffer, max(snapshot_total, 1), discard=_close_off_loop
+                try:
+                    memory, stale = self._snapshot_memory(snapshot_total)
+                    if stale is not None:
+                        _close_off_loop(stale)
+                    if memory is None:  # a new area: mapped in a worker thread
+                        memory = await to_thread_to_the_end(
+                            AlignedBuffer, max(snapshot_total, 1), discard=_close_off_loop
+                        )
+                    flat, extra_files = await _take_snapshot(
+                        flat,
+                        extra_files,
+                        extras,
+                        memory,
+                        self.snapshot_bytes - snapshot_total,
+                        self.snapshot_bytes,
                     )
-                flat, extra_files = await _take_snapshot(
-                    flat,
-                    extra_files,
-                    extras,
-                    memory,
-                    self.snapshot_bytes - snapshot_total,
-                    self.snapshot_bytes,
-                )
-                _resolve(handle.staged, None)
+                except Exception as exc:
+                    if where.coord is None:
+                        raise
+                    flat = exc  # the other ranks hear of it at the first exchange, as of a flattening's
+                else:
+                    _resolve(handle.staged, None)
             info = await save_state(
                 self._backend,
                 self.pool,

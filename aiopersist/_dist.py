@@ -101,13 +101,8 @@ class Coordinator:
         # end even if the caller is cancelled: a gather left running on the group would
         # meet the next save's and make gloo abort the process.
         gathered = await to_thread_to_the_end(self._all_gather, outcome)
-        tags = {repr(o.tag) for o in gathered}
-        if len(tags) > 1:
-            raise RankFailedError(
-                "the ranks are not at the same save: "
-                + ", ".join(f"rank {o.rank} at {o.tag!r}" for o in gathered)
-                + " (a rank failed or was cancelled alone, then saved again)"
-            )
+        # Every rank raises unless all are at the same exchange and none failed; a failure
+        # is named first (also one at another save: a rank whose path was what failed).
         if error is not None:
             raise error
         failed = [o for o in gathered if o.error is not None]
@@ -116,6 +111,13 @@ class Coordinator:
             raise RankFailedError(
                 f"the save failed on rank {first.rank}: {first.error}"
                 + (f" (and on {len(failed) - 1} more ranks)" if len(failed) > 1 else "")
+            )
+        tags = {repr(o.tag) for o in gathered}
+        if len(tags) > 1:
+            raise RankFailedError(
+                "the ranks are not at the same save: "
+                + ", ".join(f"rank {o.rank} at {o.tag!r}" for o in gathered)
+                + " (a rank failed or was cancelled alone, then saved again)"
             )
         return [o.value for o in gathered]
 

@@ -59,6 +59,7 @@ from ._commit import (
     release_work_place,
     remove_path,
 )
+from ._dist import coordinator
 from ._exceptions import (
     AiopersistError,
     CheckpointCorruptError,
@@ -88,7 +89,7 @@ from ._names import (
     step_name,
 )
 from ._retention import Retention, policy_of, to_delete
-from ._save import SaveInfo
+from ._save import SaveInfo, fail_together
 from ._stream import CudaReady
 
 log = logging.getLogger("aiopersist")
@@ -661,16 +662,21 @@ class CheckpointManager:
         """Start saving ``state`` as step ``step``; returns once the save is started (see
         `Checkpointer.save`). Retention and the mirror follow the commit, in the
         background."""
-        if self._closed:
-            raise ClosedError("the CheckpointManager is closed")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise TypeError(f"step must be a non-negative int, got {step!r}")
+        try:
+            if self._closed:
+                raise ClosedError("the CheckpointManager is closed")
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise TypeError(f"step must be a non-negative int, got {step!r}")
+            if metadata is not None and metadata.get("step", str(step)) != str(step):
+                raise ValueError(
+                    f"metadata: 'step' is the manager's ({step}), got {metadata['step']!r}: name it otherwise"
+                )
+        except Exception as exc:
+            # With several ranks the others are told at the save's first exchange, rather
+            # than wait there for this rank until AIOPERSIST_DIST_TIMEOUT.
+            await fail_together(coordinator(group), os.path.join(self.directory, f"step-{step}"), exc)
         loop = asyncio.get_running_loop()
         paths = [os.path.join(d, step_name(step)) for d in self.directories]
-        if metadata is not None and metadata.get("step", str(step)) != str(step):
-            raise ValueError(
-                f"metadata: 'step' is the manager's ({step}), got {metadata['step']!r}: name it otherwise"
-            )
         meta = {**(metadata or {}), "step": str(step)}
         self._writing.add(step)
         try:

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -452,6 +452,38 @@ async def flatten_off_loop(
         return exc
 
 
+def exchange_tag(final: str, n: int) -> tuple[str, int]:
+    """What names the ``n``-th exchange of the save to ``final``: every rank must be at the
+    same one (see `Coordinator.exchange`)."""
+    return (os.path.basename(final), n)
+
+
+def given_path(path: object) -> str:
+    """The checkpoint's path as given (the first of several), for `fail_together`'s tag
+    when ``path`` itself is what was wrong."""
+    if isinstance(path, Sequence) and not isinstance(path, str | bytes) and path:
+        path = path[0]
+    try:
+        return os.path.abspath(os.fsdecode(path))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return repr(path)
+
+
+async def fail_together(coord: Coordinator | None, final: str, error: Exception) -> NoReturn:
+    """Raise ``error``, a failure of this rank before its save to ``final`` reached its first
+    exchange (an argument, the backend, the snapshot), after telling the other ranks at
+    that exchange: they raise `RankFailedError` at once rather than wait for this rank
+    until ``AIOPERSIST_DIST_TIMEOUT``, and the ranks stay in step for the next save. If
+    telling them fails too, ``error`` is raised all the same, with a note saying so."""
+    if coord is not None:
+        try:
+            await coord.exchange(None, error, tag=exchange_tag(final, 1))
+        except Exception as exc:
+            if exc is not error:
+                error.add_note(f"aiopersist: telling the other ranks of this failure failed too: {exc}")
+    raise error
+
+
 @maps_os_errors("save")
 async def save(
     obj: object,
@@ -498,15 +530,24 @@ async def save(
     checkpoint, checksummed, listed in its manifest. A name may put its file in
     subdirectories (``templates/chat.jinja``). One process and one directory only.
     """
-    if max_shard_bytes is not None and max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    paths = checkpoint_paths(path)
-    coord = coordinator(group)  # before any await: it may make the checkpoint's gloo group
-    check_save_arguments(metadata, extra_files, paths, coord.world_size if coord is not None else 1)
+    # First, before any await and any check that could fail on one rank alone: it may make
+    # the checkpoint's gloo group, a collective of every rank.
+    coord = coordinator(group)
+    try:
+        if max_shard_bytes is not None and max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        paths = checkpoint_paths(path)
+        check_save_arguments(metadata, extra_files, paths, coord.world_size if coord is not None else 1)
+    except Exception as exc:
+        await fail_together(coord, given_path(path), exc)
     flat = await flatten_off_loop(obj, allow_pickle, coord)
     pool = StagingPool()
     try:
-        async with open_backend(backend) as be:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                be = await stack.enter_async_context(open_backend(backend))
+            except Exception as exc:  # the backend would not start here
+                await fail_together(coord, paths[0], exc)
             return await save_state(
                 be,
                 pool,
@@ -580,7 +621,7 @@ async def save_state(
                 raise error
             return [value]
         exchanges += 1  # every rank must be at this save (by its name) and this exchange
-        return await coord.exchange(value, error, tag=(os.path.basename(final), exchanges))
+        return await coord.exchange(value, error, tag=exchange_tag(final, exchanges))
 
     # 1. describe, and (rank 0) claim the temporary directory.
     desc: RankDesc | None = None

@@ -153,6 +153,52 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
             state["bad"] = object()
         await aiopersist.save(state, paths, replicated=True, backend=backend)
         return {}
+    if name.startswith("early-"):
+        # Rank 1 fails before its save's first exchange (an argument, the backend, the
+        # snapshot budget, a closed Checkpointer or manager): rank 0, already waiting there,
+        # hears of it at once. Then both save again: the ranks are still in step.
+        kind = name.removeprefix("early-")
+        outcome = {}
+        state = {"w": torch.ones(1000)}
+        bad = rank == 1
+        try:
+            if kind == "metadata":
+                await aiopersist.save(state, paths, metadata={"k": 1} if bad else None, backend=backend)  # type: ignore[dict-item]
+            elif kind == "path":
+                await aiopersist.save(state, [] if bad else paths, backend=backend)
+            elif kind == "backend":
+                await aiopersist.save(state, paths, backend="no-such-backend" if bad else backend)
+            elif kind == "snapshot":
+                budget = 1024 if bad else None
+                async with aiopersist.Checkpointer(
+                    backend=backend, mode="snapshot", snapshot_bytes=budget
+                ) as ck:
+                    await (await ck.save(state, paths)).done
+            elif kind == "closed":
+                ck = aiopersist.Checkpointer(backend=backend)
+                if bad:
+                    await ck.aclose()
+                try:
+                    await (await ck.save(state, paths)).done
+                finally:
+                    await ck.aclose()
+            elif kind == "manager":
+                dirs = [os.path.join(base, "a"), os.path.join(base, "b")]
+                async with aiopersist.CheckpointManager(dirs, backend=backend) as mgr:
+                    meta = {"step": "7"} if bad else None
+                    await (await mgr.save(3, state, metadata=meta)).done
+            else:
+                raise SystemExit(f"unknown scenario {name}")
+            outcome["first"] = "ok"
+        except Exception as exc:
+            outcome["first"] = f"{type(exc).__name__}: {exc}"
+        try:
+            await aiopersist.save(state, [p + "-again" for p in paths], backend=backend)
+            back = await aiopersist.load(paths[0] + "-again", backend=backend)
+            outcome["second"] = "ok" if torch.equal(back["w"], state["w"]) else "different"
+        except Exception as exc:
+            outcome["second"] = f"{type(exc).__name__}: {exc}"
+        return outcome
     if name == "other-save":
         # Rank 1 is at another save than rank 0 (it failed alone before its exchanges and
         # saved again, under another name): neither takes the other's values.

@@ -292,6 +292,36 @@ def test_a_rank_that_fails_fails_the_save_everywhere(tmp_path: Path, backend: st
     _no_leftovers(tmp_path)
 
 
+EARLY = {
+    "metadata": "TypeError",
+    "path": "ValueError",
+    "backend": "ValueError",
+    "snapshot": "SnapshotBudgetError",
+    "closed": "ClosedError",
+    "manager": "ValueError",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EARLY))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_failing_before_the_first_exchange_fails_the_others_at_once(
+    tmp_path: Path, backend: str, kind: str
+) -> None:
+    """Rank 1 fails before its save reaches the ranks' first exchange (a bad argument, a
+    backend that will not start, a snapshot over budget, a closed Checkpointer, a
+    manager's refusal): it tells rank 0 there, which raises `RankFailedError` naming the
+    error instead of waiting out AIOPERSIST_DIST_TIMEOUT (here 60 s: the old code's
+    rank 0 failed on the timeout, with another message). Both then save together."""
+    outs = run_ranks(f"early-{kind}", tmp_path, backend, AIOPERSIST_DIST_TIMEOUT="60")
+    assert [o["rc"] for o in outs] == [0, 0], outs
+    mine, theirs = outs[1]["ok"], outs[0]["ok"]
+    assert mine["first"].startswith(EARLY[kind] + ":"), outs
+    assert theirs["first"].startswith("RankFailedError: the save failed on rank 1: " + EARLY[kind]), outs
+    assert mine["second"] == theirs["second"] == "ok", outs
+    assert not (tmp_path / "a" / "ck").exists()
+    assert not (tmp_path / "a" / "step-3").exists()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ranks_at_different_saves_fail_rather_than_pair_up(tmp_path: Path, backend: str) -> None:
     """Each exchange names its save and its place in it: ranks at different saves (one
