@@ -814,7 +814,9 @@ class CheckpointManager:
         return step_paths(self.directories, os.path.basename(info.path))
 
     @maps_os_errors("CheckpointManager.restore")
-    async def restore(self, step: int | None = None, *, into: object = None, **kwargs: Any) -> Any:
+    async def restore(
+        self, step: int | None = None, *, into: object = None, group: Any = None, **kwargs: Any
+    ) -> Any:
         """Load the newest step that loads and checks out (or ``step``), from either tier,
         local first; arguments as for `aiopersist.load`. Retention does not delete a step
         while it is read.
@@ -824,43 +826,103 @@ class CheckpointManager:
         the mirror, then older steps (only the given ``step``'s copies when one is
         given). `restored_step` tells which step was loaded. Raises
         `CheckpointNotFoundError` when there is no step, `CheckpointCorruptError` when
-        none could be loaded. An ``into`` object is only changed by the step that loads.
+        none could be loaded. An ``into`` object is only changed by a step that loads.
+
+        Under ``torch.distributed`` every rank of ``group`` (the default group when
+        ``None``) calls `restore`, and the ranks restore the same step: the newest that
+        is complete, and loads, on every one of them (each rank reads only what it needs,
+        so one can find damage another does not). A rank that cannot load a step makes
+        every rank go on to the next; an error that is not about the checkpoint (a
+        mismatched ``into``) makes every rank raise, the others `RankFailedError`.
         """
-        found = await asyncio.to_thread(self.scan)
-        candidates = sorted(
-            (s for s in found if step is None or s.step == step),
-            key=lambda s: (-s.step, s.tier != "local"),
-        )
-        tiers = self.directory + (f" or {self.mirror}" if self.mirror else "")
-        if not any(s.complete for s in candidates):
-            what = "no complete checkpoint" if step is None else f"no complete checkpoint of step {step}"
-            raise CheckpointNotFoundError(f"{what} in {tiers}")
+        coord = coordinator(group)  # first: it may make the checkpoint's gloo group
+        if coord is not None:
+            # The ranks' exchanges must not meet those of this manager's saves in flight.
+            await self.checkpointer.wait()
         backend = kwargs.pop("backend", self._backend)
-        failures: list[str] = []
-        last: BaseException | None = None
-        for info in candidates:
+        tiers = self.directory + (f" or {self.mirror}" if self.mirror else "")
+        rounds = 0
+
+        async def agree(value: Any, error: BaseException | None = None) -> list[Any]:
+            nonlocal rounds
+            if coord is None:
+                if error is not None:
+                    raise error
+                return [value]
+            rounds += 1
+            return await coord.exchange(
+                value, error, tag=("restore", os.path.basename(self.directory), rounds)
+            )
+
+        found: list[StepInfo] = []
+        error: BaseException | None = None
+        try:
+            found = [s for s in await asyncio.to_thread(self.scan) if step is None or s.step == step]
+        except Exception as exc:
+            error = exc
+        complete = sorted({s.step for s in found if s.complete}, reverse=True)
+        everywhere = await agree(complete, error)
+        common = set(complete).intersection(*map(set, everywhere))
+        failures = [f"step {s.step} ({s.tier}): {s.problem}" for s in found if not s.complete]
+        for info in found:
             if not info.complete:
-                failures.append(f"step {info.step} ({info.tier}): {info.problem}")
                 log.warning("aiopersist: not restoring %s: incomplete: %s", info.path, info.problem)
-                continue
-            key = _norm(info.path)
-            self._reading.add(key)
+        for lacking in sorted(set().union(*map(set, everywhere)) - common, reverse=True):
+            ranks = [r for r, steps in enumerate(everywhere) if lacking not in steps]
+            failures.append(f"step {lacking}: not complete on rank {', '.join(map(str, ranks))}")
+            log.warning("aiopersist: not restoring step %d: not complete on rank %s", lacking, ranks)
+        if not common:
+            what = "no complete checkpoint" if step is None else f"no complete checkpoint of step {step}"
+            where = " on every rank" if coord is not None and any(everywhere) else ""
+            raise CheckpointNotFoundError(f"{what} in {tiers}{where}")
+        last: BaseException | None = None
+        for number in sorted(common, reverse=True):
+            result: Any = None
+            failed: BaseException | None = None
+            source = ""
+            error = None
             try:
-                result = await load(self._sources(info), into=into, backend=backend, **kwargs)
-            except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointIOError) as exc:
-                failures.append(f"step {info.step} ({info.tier}): {exc}")
-                log.warning("aiopersist: not restoring %s: %s; trying the next one", info.path, exc)
-                last = exc
-                continue
-            finally:
-                self._reading.discard(key)
-            if failures:
-                log.warning("aiopersist: restored step %d from %s", info.step, info.path)
-            self.restored_step = info.step
-            return result
+                result, failed, source = await self._restore_step(
+                    [s for s in found if s.step == number and s.complete], into, backend, kwargs, failures
+                )
+            except Exception as exc:  # not about the checkpoint: every rank raises
+                error = exc
+            problems = await agree(None if failed is None else str(failed), error)
+            if all(p is None for p in problems):
+                if failures:
+                    log.warning("aiopersist: restored step %d from %s", number, source)
+                self.restored_step = number
+                return result
+            last = failed or last
+            for r, p in enumerate(problems):
+                if p is not None and coord is not None and r != coord.rank:
+                    failures.append(f"step {number} on rank {r}: {p}")
+                    log.warning(
+                        "aiopersist: not restoring step %d: rank %d could not load it: %s", number, r, p
+                    )
         raise CheckpointCorruptError(
             f"no checkpoint in {tiers} could be restored:\n  " + "\n  ".join(failures)
         ) from last
+
+    async def _restore_step(
+        self, copies: list[StepInfo], into: object, backend: str, kwargs: dict[str, Any], failures: list[str]
+    ) -> tuple[Any, BaseException | None, str]:
+        """Load one step from the first of its ``copies`` (local, then mirror) that loads:
+        (the state, ``None``, its path), or (``None``, the last copy's error, ``""``), each
+        failure added to ``failures``. Errors that are not about the checkpoint are raised."""
+        failed: BaseException | None = None
+        for info in copies:
+            key = _norm(info.path)
+            self._reading.add(key)
+            try:
+                return await load(self._sources(info), into=into, backend=backend, **kwargs), None, info.path
+            except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointIOError) as exc:
+                failures.append(f"step {info.step} ({info.tier}): {exc}")
+                log.warning("aiopersist: not restoring %s: %s; trying the next one", info.path, exc)
+                failed = exc
+            finally:
+                self._reading.discard(key)
+        return None, failed, ""
 
     # -- the end ------------------------------------------------------------------------
 

@@ -147,6 +147,33 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         ref = model_state(3)["model"].state_dict()
         assert all(torch.equal(back["model"][k], v) for k, v in ref.items())
         return {"steps": mgr.steps()}
+    if name == "restore-agrees":
+        # Each rank reads only its own tensors: rank 1's of step 2 are damaged, so rank 1
+        # cannot load step 2 while rank 0 can. Both must restore step 1 (the old code
+        # restored step 2 on rank 0 and step 1 on rank 1: a silently mixed job).
+        dirs = [os.path.join(base, "a"), os.path.join(base, "b")]
+        async with aiopersist.CheckpointManager(dirs, backend=backend) as mgr:
+            for step in (1, 2):
+                await (await mgr.save(step, {"mine": torch.full((1000,), float(10 * step + rank))})).done
+        dist.barrier()
+        if rank == 0:
+            damaged = [_flip(path, torch.tensor([21.0]).numpy().tobytes()) for path in _files(dirs, "step-2")]
+            assert any(damaged), "rank 1's data of step 2 not found"
+        dist.barrier()
+        mgr = aiopersist.CheckpointManager(dirs, backend=backend)
+        back = await mgr.restore()
+        await mgr.aclose()
+        return {"restored": mgr.restored_step, "value": float(back["mine"][0])}
+    if name == "restore-into-mismatch":
+        # Rank 1 restores into a state of another shape: not about the checkpoint, so every
+        # rank raises (rank 0 RankFailedError), rather than rank 0 restoring alone.
+        dirs = [os.path.join(base, "a")]
+        async with aiopersist.CheckpointManager(dirs, backend=backend) as mgr:
+            await (await mgr.save(1, {"mine": torch.zeros(8)})).done
+            dist.barrier()
+            target = {"mine": torch.ones(8 if rank == 0 else 9)}
+            await mgr.restore(into=target)
+        return {"value": float(target["mine"][0])}
     if name == "flatten-fails":
         state: dict[str, Any] = {"w": torch.ones(10)}
         if rank == 1:
@@ -326,6 +353,23 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         outcome["first"] = len((await aiopersist.verify(os.path.join(where, "ck-1"), backend=backend)).files)
         return outcome
     raise SystemExit(f"unknown scenario {name}")
+
+
+def _files(dirs: list[str], step: str) -> list[str]:
+    """The files of ``step`` in ``dirs``, parts included."""
+    return [os.path.join(r, f) for d in dirs for r, _, files in os.walk(os.path.join(d, step)) for f in files]
+
+
+def _flip(path: str, pattern: bytes) -> bool:
+    """Flip a byte of the first ``pattern`` in the file at ``path``; whether it was there."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        at = data.find(pattern)
+        if at < 0:
+            return False
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0xFF]))
+    return True
 
 
 _KEPT: list[Any] = []

@@ -292,6 +292,23 @@ def test_a_rank_that_fails_fails_the_save_everywhere(tmp_path: Path, backend: st
     _no_leftovers(tmp_path)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranks_restore_the_same_step(tmp_path: Path, backend: str) -> None:
+    """Step 2 loads on rank 0 but not on rank 1 (its own tensors are damaged): both ranks
+    restore step 1, each its own values."""
+    outs = run_ranks("restore-agrees", tmp_path, backend)
+    assert [o["rc"] for o in outs] == [0, 0], outs
+    assert [o["ok"] for o in outs] == [{"restored": 1, "value": 10.0}, {"restored": 1, "value": 11.0}], outs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_s_restore_error_fails_every_rank(tmp_path: Path, backend: str) -> None:
+    outs = run_ranks("restore-into-mismatch", tmp_path, backend)
+    assert outs[1].get("error") not in (None, "RankFailedError"), outs
+    assert outs[0].get("error") == "RankFailedError", outs
+    assert "rank 1" in outs[0]["message"], outs
+
+
 EARLY = {
     "metadata": "TypeError",
     "path": "ValueError",
