@@ -201,9 +201,8 @@ class Checkpointer:
         events instead (device index -> ``torch.cuda.Event``), for a state produced on
         other streams; devices it leaves out get an event here.
         """
-        # First, before any await and any check that could fail on one rank alone: it may
-        # make the checkpoint's gloo group, a collective of every rank. A failure of this
-        # rank before its first exchange is told to the others there (fail_together).
+        # A failure of this rank before its first exchange is told to the others there
+        # (fail_together), rather than leave them waiting.
         coord = coordinator(group)
         try:
             if self._closed:

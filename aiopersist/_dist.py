@@ -1,10 +1,15 @@
 """Coordination of a save between ranks, through ``torch.distributed``.
 
-Only metadata travels between ranks (``all_gather_object`` on a gloo group of the
-checkpoint's own, made once per process group): the tensors never leave their rank. The
-collectives run in worker threads, so the event loop goes on writing meanwhile, and they
-have a timeout (`AIOPERSIST_DIST_TIMEOUT`, seconds), so a rank that died cannot hang the
-others forever.
+Only metadata travels between ranks, gathered over a gloo mesh of the checkpoint's own
+(`_Mesh`): the tensors never leave their rank. The gathers run in worker threads, so the
+event loop goes on writing meanwhile, and they have a timeout (`AIOPERSIST_DIST_TIMEOUT`,
+seconds), so a rank that died cannot hang the others forever.
+
+The mesh is a gloo process group made over the job's store under a generation number,
+outside torch's registry of groups: making it is no collective of the training's, and a
+mesh that breaks (gloo closes it on a timeout: a rank was late) is replaced, at the next
+exchange of every rank, by the next generation's. A group made with ``new_group`` would
+stay broken, and every later save with it.
 
 Every phase of a distributed save ends with one exchange in which each rank says whether
 it got through. If any rank failed, every rank raises: the failed rank its own error, the
@@ -18,6 +23,8 @@ import atexit
 import contextlib
 import datetime
 import os
+import pickle
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,16 +36,16 @@ from . import _knobs
 from ._backends._base import to_thread_to_the_end
 from ._exceptions import RankFailedError
 
-# The checkpoint's own gloo groups, by the group they serve (None: the default group),
-# each as (the default group, the served group, the gloo group), all held weakly. Torch's
-# registry holds the groups until destroy_process_group(), and so does nothing here: a
-# group kept alive past it keeps its gloo threads running into interpreter shutdown,
-# where a thread dropping the last reference to a finished collective's tensors needs the
-# GIL, cannot have it, and aborts the process ("terminate called without an active
-# exception"). After destroy_process_group() and a new init_process_group(), the weak
-# references are dead, so a group of the old world is never used, nor one cached under
-# a recycled id().
-_groups: dict[object, tuple[Callable[[], Any], Callable[[], Any], Callable[[], Any]]] = {}
+# The checkpoint's own meshes, by the group they serve (None: the default group), each as
+# (the default group and the served group, held weakly; the mesh). A mesh is shut down
+# when its world is destroyed (destroy_process_group(): torch's registry lets go of the
+# groups, and the finalizer runs) or at exit: one left running keeps its gloo threads
+# into interpreter shutdown, where a thread dropping the last reference to a finished
+# collective's tensors needs the GIL, cannot have it, and aborts the process ("terminate
+# called without an active exception"). After a new init_process_group(), the weak
+# references are dead, so a mesh of the old world is never used, nor one cached under a
+# recycled id().
+_groups: dict[object, tuple[Callable[[], Any], Callable[[], Any], _Mesh]] = {}
 
 
 def _weak(obj: Any) -> Callable[[], Any]:
@@ -77,15 +84,104 @@ class _Outcome:
     """Which save and which of its exchanges this is: every rank must be at the same."""
 
 
-class Coordinator:
-    """The ranks of one save: ``rank`` of ``world_size``, exchanging metadata over a
-    gloo group."""
+_MAX_CATCH_UP = 8
+"""How many times an exchange is gathered again for ranks still at exchanges this rank
+gave up on (see `Coordinator.exchange`)."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int, group: Any) -> None:
+
+class _Mesh:
+    """The checkpoint's gloo mesh over the ranks of one group: ``rank`` of ``size``.
+
+    The mesh of generation *g* is a ``ProcessGroupGloo`` made over the job's store under
+    ``aiopersist/<group>/<g>/``; the current generation is a counter in the store. A
+    gather that fails (a timeout, a lost peer) moves the counter on, once however many
+    ranks see the failure (compare-and-set), and every rank makes the next generation's
+    mesh at its next gather: the ranks meet again there, where the broken mesh would fail
+    every gather for good. Gathers of one mesh run one at a time."""
+
+    def __init__(self, store: Any, rank: int, size: int, name: str) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        self.store = c10d.PrefixStore(f"aiopersist/{name}/", store)
+        self.rank = rank
+        self.size = size
+        self._pg: Any = None
+        self._generation = -1
+        self._lock = threading.Lock()
+        self.given_up: list[Any] = []
+        """The tags of the exchanges this rank gave up on (a failure, a rank at another
+        save), newest last."""
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (pickled), by rank. Raises ``RuntimeError`` when the mesh
+        cannot be made or the gather fails; the next gather uses a new mesh."""
+        with self._lock:
+            from torch.distributed import distributed_c10d as c10d
+
+            generation = int(self.store.add("generation", 0))
+            try:
+                if self._pg is None or generation != self._generation:
+                    self._close()
+                    timeout = datetime.timedelta(seconds=_knobs.dist_timeout())
+                    prefixed = c10d.PrefixStore(f"{generation}/", self.store)
+                    self._pg = c10d.ProcessGroupGloo(prefixed, self.rank, self.size, timeout)
+                    self._generation = generation
+                return self._gather(obj)
+            except RuntimeError:
+                self._close()
+                with contextlib.suppress(RuntimeError):  # the store itself gone: rank 0 died
+                    self.store.compare_set("generation", str(generation), str(generation + 1))
+                raise
+
+    def _gather(self, obj: Any) -> list[Any]:
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._pg.allgather([sizes], [size]).wait()
+        longest = max(int(n) for n in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        theirs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        self._pg.allgather([theirs], [mine]).wait()
+        # From the job's own ranks, as all_gather_object's.
+        return [pickle.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(theirs, sizes, strict=True)]
+
+    def _close(self) -> None:
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            with contextlib.suppress(Exception):  # a broken mesh may refuse to shut down
+                pg.shutdown()
+
+    def close(self) -> None:
+        """Shut the mesh down (its gloo threads end); a later gather makes a new one."""
+        with self._lock:
+            self._close()
+
+
+class Coordinator:
+    """The ranks of one save: ``rank`` of ``world_size``, exchanging metadata over the
+    checkpoint's gloo mesh of their group."""
+
+    def __init__(self, rank: int, world_size: int, local_rank: int, mesh: _Mesh) -> None:
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
-        self.group = group
+        self.mesh = mesh
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank (blocking: from a worker thread, or code that is
+        not on an event loop). Raises `RankFailedError` when a rank does not come."""
+        try:
+            return self.mesh.gather(obj)
+        except RuntimeError as exc:  # gloo's timeouts and lost peers
+            raise RankFailedError(
+                f"rank {self.rank}: exchanging checkpoint metadata with the other ranks failed "
+                f"(a rank died or did not come within {_knobs.dist_timeout():.0f} s): {exc}"
+            ) from exc
+
+    def barrier(self) -> None:
+        """Wait for every rank (blocking, as `all_gather`)."""
+        self.all_gather(None)
 
     async def exchange(self, value: Any, error: BaseException | None = None, tag: Any = None) -> list[Any]:
         """Every rank's ``value``, by rank. If any rank reports an error (``error`` here),
@@ -98,11 +194,18 @@ class Coordinator:
         # In a worker thread: the event loop goes on writing meanwhile. A save makes its
         # exchanges one after another; concurrent saves over the same ranks are not
         # supported (a Checkpointer with several ranks runs one at a time). Awaited to its
-        # end even if the caller is cancelled: a gather left running on the group would
-        # meet the next save's and make gloo abort the process.
-        gathered = await to_thread_to_the_end(self._all_gather, outcome)
+        # end even if the caller is cancelled: a gather left running on the mesh would
+        # meet the next save's.
+        try:
+            gathered = await to_thread_to_the_end(self._gather_in_step, outcome)
+        except BaseException:
+            self._give_up(tag)
+            raise
         # Every rank raises unless all are at the same exchange and none failed; a failure
         # is named first (also one at another save: a rank whose path was what failed).
+        tags = {repr(o.tag) for o in gathered}
+        if error is not None or len(tags) > 1 or any(o.error is not None for o in gathered):
+            self._give_up(tag)
         if error is not None:
             raise error
         failed = [o for o in gathered if o.error is not None]
@@ -112,37 +215,37 @@ class Coordinator:
                 f"the save failed on rank {first.rank}: {first.error}"
                 + (f" (and on {len(failed) - 1} more ranks)" if len(failed) > 1 else "")
             )
-        tags = {repr(o.tag) for o in gathered}
         if len(tags) > 1:
             raise RankFailedError(
                 "the ranks are not at the same save: "
                 + ", ".join(f"rank {o.rank} at {o.tag!r}" for o in gathered)
-                + " (a rank failed or was cancelled alone, then saved again)"
+                + " (a rank failed, was late or was cancelled alone, then saved again)"
             )
         return [o.value for o in gathered]
 
-    def _all_gather(self, outcome: _Outcome) -> list[_Outcome]:
-        import torch.distributed as dist
+    def _give_up(self, tag: Any) -> None:
+        given_up = self.mesh.given_up
+        given_up.append(repr(tag))
+        del given_up[:-_MAX_CATCH_UP]
 
-        out: list[Any] = [None] * self.world_size
-        try:
-            dist.all_gather_object(out, outcome, group=self.group)
-        except RuntimeError as exc:  # gloo's timeouts and lost peers
-            raise RankFailedError(
-                f"rank {self.rank}: exchanging checkpoint metadata with the other ranks failed "
-                f"(a rank died or did not call save within {_knobs.dist_timeout():.0f} s): {exc}"
-            ) from exc
-        return out
+    def _gather_in_step(self, outcome: _Outcome) -> list[_Outcome]:
+        """Gather ``outcome``; gathered again while some ranks are still at exchanges this
+        rank gave up on (and no rank is ahead of it): those ranks fail theirs meanwhile
+        (at another save than this rank) and come to this one next. A rank that timed out
+        waiting for a late one would otherwise meet it one save behind, at every save."""
+        mine = repr(outcome.tag)
+        for _ in range(_MAX_CATCH_UP):
+            gathered: list[_Outcome] = self.all_gather(outcome)
+            behind = {repr(o.tag) for o in gathered} - {mine}
+            if not behind or not behind <= set(self.mesh.given_up):
+                return gathered
+        return gathered
 
 
 def coordinator(group: Any = None) -> Coordinator | None:
     """The coordinator for ``group`` (the default process group when ``None``), or ``None``
-    when ``torch.distributed`` is not initialised or the group has one rank.
-
-    Must be called by every rank of the group, in the same order, from the thread that
-    issues the training's collectives: the first call makes the checkpoint's gloo group,
-    which is itself a collective.
-    """
+    when ``torch.distributed`` is not initialised or the group has one rank. Makes nothing
+    that the other ranks must make with it: the mesh is made by the first gather."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         if group is not None:
             raise ValueError("group= given, but torch.distributed is not initialised")
@@ -155,48 +258,40 @@ def coordinator(group: Any = None) -> Coordinator | None:
     key = id(group) if group is not None else None
     world_group = dist.group.WORLD
     entry = _groups.get(key)
-    gloo = None
+    mesh = None
     if entry is not None and entry[0]() is world_group and entry[1]() is group:
-        gloo = entry[2]()
-    if gloo is None:
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        timeout = datetime.timedelta(seconds=_knobs.dist_timeout())
-        # A group of the checkpoint's own: gloo whatever the training uses (NCCL on GPUs),
-        # with the checkpoint's timeout, and never in the way of the training's collectives.
-        try:
-            # For a subgroup only its members call save: they alone make the group.
-            gloo = dist.new_group(
-                ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=group is not None
-            )
-        except RuntimeError as exc:  # the store's timeout: a rank never came
-            raise RankFailedError(
-                f"making the checkpoint's gloo group failed (a rank died or did not call save within "
-                f"{timeout.total_seconds():.0f} s): {exc}"
-            ) from exc
-        _groups[key] = (_weak(world_group), _weak(group), _weak(gloo))
+        mesh = entry[2]
+    if mesh is None:
+        if entry is not None:
+            entry[2].close()  # of a world that is gone
+        name = "world" if group is None else f"group-{group.group_name}"
+        mesh = _Mesh(dist.distributed_c10d._get_default_store(), dist.get_rank(group), world, name)
+        # Shut down with the world, whose groups torch destroys at destroy_process_group():
+        # gloo threads left running into interpreter shutdown can abort the process.
+        weakref.finalize(world_group, mesh.close)
+        _groups[key] = (_weak(world_group), _weak(group), mesh)
     rank = dist.get_rank(group)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    return Coordinator(rank, world, local_rank, gloo)
+    return Coordinator(rank, world, local_rank, mesh)
 
 
 _derived_groups: dict[tuple[object, str], tuple[Callable[[], Any], Callable[[], Any]]] = {}
-"""(id(checkpoint group), which) -> (that group, the group made from it), held weakly as
-`_groups` are."""
+"""(id(checkpoint mesh), which) -> (that mesh, the group made from it), held weakly."""
 
 
 def _derived_group(coord: Coordinator, which: str, ranks: list[int] | None) -> Any:
     import torch.distributed as dist
 
-    key = (id(coord.group), which)
+    key = (id(coord.mesh), which)
     entry = _derived_groups.get(key)
-    group = entry[1]() if entry is not None and entry[0]() is coord.group else None
+    group = entry[1]() if entry is not None and entry[0]() is coord.mesh else None
     if group is None:
         # With the checkpoint's timeout, as the checkpoint group: a rank that died fails
         # the others' saves after AIOPERSIST_DIST_TIMEOUT, not torch's 30 minutes.
         group = dist.new_group(
             ranks, backend="gloo", timeout=datetime.timedelta(seconds=_knobs.dist_timeout())
         )
-        _derived_groups[key] = (_weak(coord.group), _weak(group))
+        _derived_groups[key] = (_weak(coord.mesh), _weak(group))
     return group
 
 
@@ -227,8 +322,9 @@ def _release_groups() -> None:
     `_groups`). The training's groups are the program's, and are left alone."""
     import torch.distributed as dist
 
-    ours = [entry[2]() for entry in _groups.values()]
-    ours += [entry[1]() for entry in _derived_groups.values()]
+    for entry in _groups.values():
+        entry[2].close()
+    ours = [entry[1]() for entry in _derived_groups.values()]
     _groups.clear()
     _derived_groups.clear()
     if not dist.is_available() or not dist.is_initialized():

@@ -835,7 +835,7 @@ class CheckpointManager:
         every rank go on to the next; an error that is not about the checkpoint (a
         mismatched ``into``) makes every rank raise, the others `RankFailedError`.
         """
-        coord = coordinator(group)  # first: it may make the checkpoint's gloo group
+        coord = coordinator(group)
         if coord is not None:
             # The ranks' exchanges must not meet those of this manager's saves in flight.
             await self.checkpointer.wait()

@@ -530,9 +530,7 @@ async def save(
     checkpoint, checksummed, listed in its manifest. A name may put its file in
     subdirectories (``templates/chat.jinja``). One process and one directory only.
     """
-    # First, before any await and any check that could fail on one rank alone: it may make
-    # the checkpoint's gloo group, a collective of every rank.
-    coord = coordinator(group)
+    coord = coordinator(group)  # a failure below is told to the other ranks (fail_together)
     try:
         if max_shard_bytes is not None and max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")

@@ -226,6 +226,26 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         except Exception as exc:
             outcome["second"] = f"{type(exc).__name__}: {exc}"
         return outcome
+    if name == "late-rank":
+        # Rank 1 comes to save A after rank 0 gave up waiting for it (a timeout breaks the
+        # gloo mesh for good: the old code failed every later save on both ranks). The mesh
+        # is replaced, rank 1's late A meets rank 0's B and fails (another save), rank 0
+        # gathers again, and from B on the ranks save together.
+        state = {"w": torch.ones(1000)}
+        store = dist.distributed_c10d._get_default_store()
+        outcome = {}
+        await aiopersist.save(state, paths[0] + "-Z", backend=backend)  # the mesh is made
+        if rank == 1:
+            await asyncio.to_thread(store.wait, ["rank 0 gave up"])
+        for save in ("A", "B", "C"):
+            try:
+                await aiopersist.save(state, paths[0] + "-" + save, backend=backend)
+                outcome[save] = "ok"
+            except Exception as exc:
+                outcome[save] = f"{type(exc).__name__}: {exc}"
+            if rank == 0 and save == "A":
+                store.set("rank 0 gave up", "")
+        return outcome
     if name == "other-save":
         # Rank 1 is at another save than rank 0 (it failed alone before its exchanges and
         # saved again, under another name): neither takes the other's values.

@@ -56,13 +56,11 @@ def torch_bytes(obj: object) -> bytes:
 
 def gather_objects(obj: object) -> list[Any]:
     """Every process's ``obj``, in rank order, on every process: gathered over the
-    checkpoint's own gloo group, whatever backend the training uses. One process: ``[obj]``."""
+    checkpoint's own gloo mesh, whatever backend the training uses. One process: ``[obj]``."""
     coord = coordinator()
     if coord is None or coord.world_size == 1:
         return [obj]
-    everyone: list[Any] = [None] * coord.world_size
-    torch.distributed.all_gather_object(everyone, obj, group=coord.group)
-    return everyone
+    return coord.all_gather(obj)
 
 
 def files_written_by(write: Callable[[str], None], beside: str, *, keep: bool = True) -> dict[str, bytes]:

@@ -560,7 +560,7 @@ class AioPersistCallback(TrainerCallback):
             if args.world_size > 1:
                 coord = coordinator()
                 assert coord is not None
-                torch.distributed.barrier(group=coord.group)
+                coord.barrier()
 
 
 _LEFTOVER_RE = re.compile(

@@ -309,6 +309,20 @@ def test_a_rank_s_restore_error_fails_every_rank(tmp_path: Path, backend: str) -
     assert "rank 1" in outs[0]["message"], outs
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_saves_go_on_after_a_rank_was_late(tmp_path: Path, backend: str) -> None:
+    """Rank 0 times out waiting for rank 1 at save A: the next saves of both ranks work
+    again (the old code's gloo group stayed broken: every later save failed)."""
+    outs = run_ranks("late-rank", tmp_path, backend, AIOPERSIST_DIST_TIMEOUT="10")
+    assert [o["rc"] for o in outs] == [0, 0], outs
+    first, second = outs[0]["ok"], outs[1]["ok"]
+    assert first["A"].startswith("RankFailedError: rank 0: exchanging checkpoint metadata"), outs
+    assert second["A"].startswith("RankFailedError: the ranks are not at the same save"), outs
+    assert first["B"] == first["C"] == second["B"] == second["C"] == "ok", outs
+    assert not (tmp_path / "a" / "ck-A").exists()
+    assert (tmp_path / "a" / "ck-C").is_dir()
+
+
 EARLY = {
     "metadata": "TypeError",
     "path": "ValueError",
