@@ -238,7 +238,9 @@ class Checkpointer:
                 raise ClosedError("the Checkpointer was closed while this save waited for a slot")
             if self._backend is None:
                 self._backend = create_backend(self._backend_name, queue_depth=self._queue_depth)
-            check_save_arguments(metadata, extra_files, paths, coord.world_size if coord is not None else 1)
+            await check_save_arguments(
+                metadata, extra_files, paths, coord.world_size if coord is not None else 1
+            )
             where = _Target(paths, coord, replicated)
             flat = await flatten_off_loop(state, allow_pickle, coord)
             handle = SaveHandle(target, loop.create_future(), loop.create_future())

@@ -356,10 +356,13 @@ async def write_extra_files(
     subdirectories = [os.path.join(directory, d) for d in member_directories(files)]
     for sub in subdirectories:
         await to_thread_to_the_end(make_directories, sub)
+    tensor_files = [(n, c) for n, c in files.items() if isinstance(c, SafetensorsSave)]
+    # Their headers, O(tensors): in a worker thread.
+    parts = dict(await asyncio.to_thread(_safetensors_files, tensor_files)) if tensor_files else {}
     done = await run_all(
         write_torch_save(be, os.path.join(directory, n), dio, pool, c.obj, written, name=n)
         if isinstance(c, TorchSave)
-        else write_file(be, os.path.join(directory, n), dio, pool, safetensors_parts(c, n), written, name=n)
+        else write_file(be, os.path.join(directory, n), dio, pool, parts[n], written, name=n)
         if isinstance(c, SafetensorsSave)
         else write_file(be, os.path.join(directory, n), dio, pool, [c], written, name=n)
         for n, c in files.items()
@@ -392,10 +395,11 @@ def pickle_objects(flat: Flattened) -> bytes:
 # -- the entry point ------------------------------------------------------------------------
 
 
-def check_save_arguments(
+async def check_save_arguments(
     metadata: Mapping[str, str] | None, extra_files: ExtraFiles | None, paths: Sequence[str], ranks: int
 ) -> None:
-    """What `save` and `Checkpointer.save` refuse before anything is written."""
+    """What `save` and `Checkpointer.save` refuse before anything is written (the
+    `SafetensorsSave` files' tensors, O(tensors), in a worker thread)."""
     if metadata is not None and not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -404,9 +408,16 @@ def check_save_arguments(
         if ranks > 1 or len(paths) > 1:
             raise ValueError("extra_files: only for a save by one process into one directory")
         check_file_names(extra_files, (PICKLE_FILE, MANIFEST_NAME, MODEL_INDEX), "extra_files")
-        for name, content in extra_files.items():
-            if isinstance(content, SafetensorsSave):
-                safetensors_parts(content, name)  # refused before anything is written
+        tensor_files = [(n, c) for n, c in extra_files.items() if isinstance(c, SafetensorsSave)]
+        if tensor_files:
+            await asyncio.to_thread(_safetensors_files, tensor_files)  # refused before anything is written
+
+
+def _safetensors_files(
+    files: list[tuple[str, SafetensorsSave]],
+) -> list[tuple[str, list[bytes | torch.Tensor]]]:
+    """Each file's parts (`safetensors_parts`), by name."""
+    return [(name, safetensors_parts(content, name)) for name, content in files]
 
 
 def check_file_names(names: Iterable[str], reserved: Sequence[str], what: str) -> None:
@@ -535,7 +546,7 @@ async def save(
         if max_shard_bytes is not None and max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         paths = checkpoint_paths(path)
-        check_save_arguments(metadata, extra_files, paths, coord.world_size if coord is not None else 1)
+        await check_save_arguments(metadata, extra_files, paths, coord.world_size if coord is not None else 1)
     except Exception as exc:
         await fail_together(coord, given_path(path), exc)
     flat = await flatten_off_loop(obj, allow_pickle, coord)

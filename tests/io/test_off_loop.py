@@ -153,3 +153,30 @@ async def test_a_load_allocates_and_parses_headers_off_the_loop(
     assert seen["allocate"]
     assert seen["parse_header"] or layout == "aiopersist"  # the manifest describes the file
     assert loop_thread not in seen["allocate"] | seen["parse_header"]
+
+
+async def test_safetensors_extra_files_are_checked_and_laid_out_off_the_loop(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `SafetensorsSave` file's tensors are checked (before anything is written) and its
+    header built (when it is written) in worker threads: O(tensors) Python each."""
+    loop_thread = threading.get_ident()
+    callers: list[int] = []
+    real = _save.safetensors_parts
+
+    def parts(*args: Any, **kwargs: Any) -> Any:
+        callers.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_save, "safetensors_parts", parts)
+    second = _state(50)
+    extra = {"model_1.safetensors": aiopersist.SafetensorsSave(second, {"format": "pt"})}
+    await aiopersist.save(_state(), tmp_path / "ck", extra_files=extra, backend=backend_name)
+    async with aiopersist.Checkpointer(backend=backend_name) as ck:
+        await (await ck.save(_state(), tmp_path / "ck2", extra_files=extra)).done
+    assert len(callers) == 4  # checked, then written, by each save
+    assert loop_thread not in callers
+    from safetensors.torch import load_file
+
+    back = load_file(str(tmp_path / "ck2" / "model_1.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in second.items())
