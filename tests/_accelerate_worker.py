@@ -1,7 +1,8 @@
 """A script for ``accelerate launch``: prepares a model and optimizer with an
 ``Accelerator`` on CPU (DDP over gloo), saves them with aiopersist over two directories
 (or, with ``save-state``, with aiopersist's ``save_state`` and a save pre-hook that
-writes a file naming its rank), and prints one JSON line per rank."""
+writes a file naming its rank; with ``own-directories``, each rank into a directory of its
+own), and prints one JSON line per rank."""
 
 from __future__ import annotations
 
@@ -65,10 +66,45 @@ def save_state_and_restore(base: str) -> None:
     accelerator.wait_for_everyone()
 
 
+def own_directories(base: str) -> None:
+    """Every rank names a directory of its own (as a ``tempfile.TemporaryDirectory()``
+    made on each rank does), with no model: the stock ``save_state`` writes into each
+    what its process writes (its RNG state, its save hook's file), and so must aiopersist's,
+    for each rank's ``load_state`` of its own directory to bring back its RNG state."""
+    import torch
+
+    from aiopersist.integrations.accelerate import save_state_blocking
+
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+
+    def save_hook(
+        models: list[torch.nn.Module], weights: list[dict[str, torch.Tensor]], output_dir: str
+    ) -> None:
+        with open(os.path.join(output_dir, f"hook-{rank}.json"), "w") as f:
+            json.dump({"rank": rank}, f)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    torch.manual_seed(100 + rank)  # a different RNG state per rank
+    rng = torch.get_rng_state().clone()
+    accelerator.save_state(os.path.join(base, f"stock-{rank}"))
+    with aiopersist.BlockingCheckpointer() as ck:
+        save_state_blocking(accelerator, os.path.join(base, f"ours-{rank}"), checkpointer=ck).wait()
+    torch.rand(3)
+    accelerator.load_state(os.path.join(base, f"ours-{rank}"))
+    line = {"rank": rank, "restored": bool(torch.equal(torch.get_rng_state(), rng))}
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
+    accelerator.wait_for_everyone()
+
+
 def main() -> None:
     base = sys.argv[1]
     if sys.argv[2:] == ["save-state"]:
         save_state_and_restore(base)
+        return
+    if sys.argv[2:] == ["own-directories"]:
+        own_directories(base)
         return
     accelerator = Accelerator(cpu=True)
     state = model_state()

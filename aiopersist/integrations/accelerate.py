@@ -68,7 +68,7 @@ from .. import _knobs
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Checkpointer, SaveHandle
 from .._commit import make_directories, mount_of, remove_path
-from .._dist import background_group, coordinator, process0_group
+from .._dist import _derived_group, background_group, coordinator, process0_group
 from .._exceptions import CheckpointExistsError
 from .._names import TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
 from .._save import SafetensorsSave, SaveInfo, TorchSave
@@ -220,12 +220,15 @@ def _iteration_of(folder: str) -> int:
     return int(re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)[0])
 
 
-def _run_save_hooks(accelerator: Any, weights: list[dict[str, Any]], target: str) -> dict[str, bytes]:
+def _run_save_hooks(
+    accelerator: Any, weights: list[dict[str, Any]], target: str, *, keep: bool
+) -> dict[str, bytes]:
     """Call the hooks registered with ``register_save_state_pre_hook`` as ``save_state``
     does, ``hook(accelerator._models, weights, directory)``: they may take weights out of
     the list and write files of their own. The directory is a staging one beside the
-    checkpoint (the checkpoint itself appears only once complete); the files they write
-    there are returned, to be written into the checkpoint (on process 0)."""
+    checkpoint (the checkpoint itself appears only once complete); with ``keep``, the
+    files they write there are returned, to be written into the checkpoint (by the
+    process that writes it)."""
     hooks = list(accelerator._save_model_state_pre_hook.values())
     if not hooks:
         return {}
@@ -234,14 +237,32 @@ def _run_save_hooks(accelerator: Any, weights: list[dict[str, Any]], target: str
         for hook in hooks:
             hook(accelerator._models, weights, staging)
 
-    return files_written_by(run_hooks, target, keep=accelerator.process_index == 0)
+    return files_written_by(run_hooks, target, keep=keep)
+
+
+def _directories(accelerator: Any, target: str) -> list[str]:
+    """Every process's checkpoint directory, by rank (a collective: every process calls
+    it). ``save_state`` writes into each process's own ``output_dir`` what that process
+    writes (its ``random_states_<rank>.pkl``, its data loaders' states), so processes
+    that name different directories (a ``tempfile.TemporaryDirectory()`` each) get
+    different checkpoints. Each directory is written once, by the first process that names
+    it (`_writer`)."""
+    return gather_objects(os.path.abspath(target))
+
+
+def _writer(directories: list[str], rank: int) -> int:
+    """The process that writes ``rank``'s directory: the first one that names it."""
+    return directories.index(directories[rank])
 
 
 def _plan(
     accelerator: Any, target: str, safe_serialization: bool
-) -> tuple[object, dict[str, bytes | TorchSave | SafetensorsSave], Any]:
+) -> tuple[object, dict[str, bytes | TorchSave | SafetensorsSave], Any, bool]:
     """The model's state dict (``None`` with ``safe_serialization=False``: the weights go
-    into ``pytorch_model.bin``), the other files, and the group process 0 saves in."""
+    into ``pytorch_model.bin``), the other files, the group this process saves in, and
+    whether it writes a directory (`_directories`). Process 0 writes its directory with
+    everything; another process that names a directory of its own writes there what
+    ``save_state`` writes on it."""
     from accelerate.utils import DistributedType  # type: ignore[import-untyped]
 
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
@@ -249,9 +270,28 @@ def _plan(
             f"aiopersist's save_state does not write {accelerator.distributed_type.value} checkpoints: "
             "use accelerator.save_state (their engines save their own sharded states)"
         )
+    rank = accelerator.process_index
+    directories = _directories(accelerator, target)
+    writes = _writer(directories, rank) == rank
     weights = [accelerator.get_state_dict(model, unwrap=False) for model in accelerator._models]
-    hooked = _run_save_hooks(accelerator, weights, target)
+    hooked = _run_save_hooks(accelerator, weights, target, keep=writes)
+    group = None
+    if accelerator.num_processes > 1:
+        coord = coordinator()
+        assert coord is not None
+        group = process0_group(coord)
+        # The others' groups, of the processes that write a directory of their own: made
+        # by every process, in the same order (making a group is a collective).
+        for other in sorted({_writer(directories, r) for r in range(len(directories))} - {0}):
+            other_group = _derived_group(coord, f"process {other}", [other])
+            if other == rank:
+                group = other_group
     extra: dict[str, bytes | TorchSave | SafetensorsSave] = dict(hooked)
+    optimizers = [opt.state_dict() for opt in accelerator._optimizers]  # on every process, as there
+    if rank != 0:
+        # What save_state writes on a process other than the main one: its own files.
+        extra.update(_state_files(accelerator, directories))
+        return None, extra, group, writes
     # With no weights left (the hooks saved them), there is no data file: the checkpoint
     # holds what save_state writes.
     model_state: object = None
@@ -279,32 +319,43 @@ def _plan(
             extra[f"model_{i}.safetensors"] = SafetensorsSave(
                 clean_state_dict_for_safetensors(state), {"format": "pt"}
             )
-    for i, opt in enumerate(accelerator._optimizers):
-        extra["optimizer.bin" if i == 0 else f"optimizer_{i}.bin"] = TorchSave(opt.state_dict())
-    extra.update(_state_files(accelerator))
-    group = None
-    if accelerator.num_processes > 1:
-        coord = coordinator()
-        assert coord is not None
-        group = process0_group(coord)
-    return model_state, extra, group
+    for i, state in enumerate(optimizers):
+        extra["optimizer.bin" if i == 0 else f"optimizer_{i}.bin"] = TorchSave(state)
+    extra.update(_state_files(accelerator, directories))
+    return model_state, extra, group, writes
 
 
-def _state_files(accelerator: Any) -> dict[str, bytes | TorchSave | SafetensorsSave]:
-    """What ``save_accelerator_state`` writes beside the models and optimizers: the
-    schedulers, samplers, data loader states, the scaler, the custom objects and every
-    process's RNG states (gathered: a collective, every process calls it)."""
+def _state_files(
+    accelerator: Any, directories: list[str] | None = None
+) -> dict[str, bytes | TorchSave | SafetensorsSave]:
+    """What ``save_accelerator_state`` and the custom objects' saving write beside the
+    models and optimizers into this process's directory, in the order ``save_state``
+    takes them (a ``state_dict()`` that draws random numbers leaves the RNG states as
+    there): the schedulers, samplers, data loader states and the scaler, every process's
+    RNG states (gathered: a collective, every process calls it), then the custom objects.
+
+    Process 0 writes them all. Another process writes only what ``save_state`` writes on
+    every process (its data loaders' states, the scaler, its RNG state), and only into a
+    directory of its own (``directories``, by rank, `_directories`): the RNG states of
+    the processes that name a directory go into it. ``directories=None``: every process
+    names process 0's."""
     extra: dict[str, bytes | TorchSave | SafetensorsSave] = {}
+    rank = accelerator.process_index
+    main = rank == 0
+    # Every process takes every state_dict(), as save_state does (one may draw random
+    # numbers, or be a collective), and keeps what its directory holds.
     for i, sched in enumerate(accelerator._schedulers):
-        extra["scheduler.bin" if i == 0 else f"scheduler_{i}.bin"] = torch_bytes(sched.state_dict())
+        state = sched.state_dict()
+        if main:
+            extra["scheduler.bin" if i == 0 else f"scheduler_{i}.bin"] = torch_bytes(state)
     for i, loader in enumerate(accelerator._dataloaders):
         # As save_accelerator_state does: the seedable sampler of a sharded iterable
-        # dataset, and the state of a stateful data loader.
+        # dataset (on the main process), and the state of a stateful data loader.
         from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler  # type: ignore[import-untyped]
 
         if isinstance(loader.dataset, IterableDatasetShard):
             sampler = loader.get_sampler()
-            if isinstance(sampler, SeedableRandomSampler):
+            if main and isinstance(sampler, SeedableRandomSampler):
                 extra["sampler.bin" if i == 0 else f"sampler_{i}.bin"] = torch_bytes(sampler)
         if getattr(loader, "use_stateful_dataloader", False):
             extra["dl_state_dict.bin" if i == 0 else f"dl_state_dict_{i}.bin"] = torch_bytes(
@@ -312,10 +363,15 @@ def _state_files(accelerator: Any) -> dict[str, bytes | TorchSave | SafetensorsS
             )
     if accelerator.scaler is not None:
         extra["scaler.pt"] = torch_bytes(accelerator.scaler.state_dict())
+    everyone = gather_objects(_rng_states(accelerator.step))
+    mine = directories[rank] if directories is not None else None
+    for other, states in enumerate(everyone):
+        if directories is None or directories[other] == mine:
+            extra[f"random_states_{other}.pkl"] = torch_bytes(states)
     for i, obj in enumerate(accelerator._custom_objects):
-        extra[f"custom_checkpoint_{i}.pkl"] = TorchSave(obj.state_dict())
-    for rank, states in enumerate(gather_objects(_rng_states(accelerator.step))):
-        extra[f"random_states_{rank}.pkl"] = torch_bytes(states)
+        state = obj.state_dict()
+        if main:
+            extra[f"custom_checkpoint_{i}.pkl"] = TorchSave(state)
     return extra
 
 
@@ -335,7 +391,8 @@ def _save_fsdp(accelerator: Any, checkpointer: Checkpointer, target: str, overwr
     saving lays them out, from a background thread; process 0 adds the other files and
     publishes the checkpoint (see `aiopersist.integrations._fsdp`)."""
     plugin = check_plugin(accelerator.state.fsdp_plugin, "aiopersist's save_state")
-    hooked = _run_save_hooks(accelerator, [], target)  # as save_state: under FSDP no weights
+    # As save_state: under FSDP no weights.
+    hooked = _run_save_hooks(accelerator, [], target, keep=accelerator.process_index == 0)
     states = fsdp_states(accelerator._models, accelerator._optimizers, plugin)
     extra: dict[str, bytes | TorchSave | SafetensorsSave] = {**hooked, **_state_files(accelerator)}
     saver = _savers.get(checkpointer)
@@ -372,6 +429,9 @@ class _Prepared:
     model_state: object = None
     extra: dict[str, bytes | TorchSave | SafetensorsSave] = dataclasses.field(default_factory=dict)
     group: Any = None
+    writes: bool = True
+    """Whether this process writes a directory (`_directories`); under FSDP every process
+    takes part in the sharded save."""
 
 
 def _prepare(
@@ -384,8 +444,8 @@ def _prepare(
     target, replace = _target(accelerator, output_dir, overwrite)
     if _is_fsdp(accelerator):
         return _Prepared(target, replace, sharded=_save_fsdp(accelerator, checkpointer, target, replace))
-    model_state, extra, group = _plan(accelerator, target, safe_serialization)
-    return _Prepared(target, replace, model_state=model_state, extra=extra, group=group)
+    model_state, extra, group, writes = _plan(accelerator, target, safe_serialization)
+    return _Prepared(target, replace, model_state=model_state, extra=extra, group=group, writes=writes)
 
 
 async def save_state(
@@ -413,7 +473,7 @@ async def save_state(
     )
     if p.sharded is not None:
         handle = await _as_handle(p.sharded)
-    elif accelerator.process_index != 0:
+    elif not p.writes:
         handle = _done(p.target)
     else:
         handle = await checkpointer.save(
@@ -443,7 +503,7 @@ def save_state_blocking(
     portal = checkpointer._portal
     if p.sharded is not None:
         handle = BlockingSaveHandle(portal, portal.call(_as_handle, p.sharded))
-    elif accelerator.process_index != 0:
+    elif not p.writes:
         handle = BlockingSaveHandle(portal, portal.call(_done_async, p.target))
     else:
         handle = checkpointer.save(

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -312,6 +314,67 @@ def test_several_models_are_written_one_file_each_as_stock(
     assert all(torch.equal(got[k], v) for k, v in saved.items())
 
 
+class _Drawing:
+    """An object registered with ``register_for_checkpointing`` whose ``state_dict()``
+    draws random numbers (a seed for the next epoch's augmentation, say)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": int(torch.randint(0, 2**31, ())), "py": random.random()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def _rng() -> tuple[Any, ...]:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _set_rng(states: tuple[Any, ...]) -> None:
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and bool(a == b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_file_holds_what_stock_writes_taken_in_its_order(tmp_path: Path, backend: str) -> None:
+    """From the same RNG states, the stock save and ours write the same files with the
+    same contents, ``random_states_0.pkl`` included: the RNG states are taken where
+    ``save_state`` takes them, before the objects registered for checkpointing give
+    their ``state_dict()`` (here one that draws random numbers), so that a resume from
+    ours draws what a resume from the stock checkpoint draws."""
+    accelerator, model, opt, sched = _setup()
+    accelerator.register_for_checkpointing(_Drawing())
+    _step(model, opt, sched)
+    before = _rng()
+    accelerator.save_state(str(tmp_path / "stock"))
+    after_stock = _rng()
+    _set_rng(before)
+    with aiopersist.BlockingCheckpointer(backend=backend) as ck:
+        save_state_blocking(accelerator, tmp_path / "ours", checkpointer=ck).wait()
+    assert _same(_rng(), after_stock)
+    names = _tree(tmp_path / "stock")
+    assert _tree(tmp_path / "ours") - {"aiopersist.json"} == names
+    assert {"random_states_0.pkl", "custom_checkpoint_0.pkl"} <= names
+    for name in sorted(names):
+        stock, ours = tmp_path / "stock" / name, tmp_path / "ours" / name
+        if name.endswith(".safetensors"):
+            assert _same(_load_weights(stock), _load_weights(ours)), name
+        else:
+            assert _same(torch.load(stock, weights_only=False), torch.load(ours, weights_only=False)), name
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_save_state_into_existing_directories(tmp_path: Path, backend: str) -> None:
     """An existing empty directory is taken, as ``save_state`` takes it. A non-empty one,
@@ -400,6 +463,31 @@ def test_save_state_under_accelerate_launch_two_processes(tmp_path: Path) -> Non
     # Every rank's save hook ran; process 0's files are the ones written.
     assert [o["hooked"] for o in outs] == [1, 1]
     assert json.loads((tmp_path / "ck" / "hook.json").read_text()) == {"rank": 0}
+
+
+def test_save_state_into_a_directory_per_process_writes_each_as_stock(tmp_path: Path) -> None:
+    """Two processes under ``accelerate launch``, each naming a directory of its own (as
+    a ``tempfile.TemporaryDirectory()`` made on each does): ``save_state`` writes into
+    each what its process writes, its RNG state and its hook's file (process 0 the rest),
+    and each process's ``load_state`` of its own directory brings back its RNG state."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    proc = subprocess.run(
+        [
+            str(accelerate), "launch", "--config_file", str(CONFIG), "--main_process_port", str(_free_port()),
+            "-m", "tests._accelerate_worker", str(tmp_path), "own-directories",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = sorted(
+        (json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")), key=lambda o: o["rank"]
+    )
+    assert outs == [{"rank": 0, "restored": True}, {"rank": 1, "restored": True}]
+    for rank in (0, 1):
+        assert _tree(tmp_path / f"ours-{rank}") - {"aiopersist.json"} == _tree(tmp_path / f"stock-{rank}")
+        assert f"random_states_{rank}.pkl" in _tree(tmp_path / f"ours-{rank}")
+        assert f"hook-{rank}.json" in _tree(tmp_path / f"ours-{rank}")
+        asyncio.run(aiopersist.verify(tmp_path / f"ours-{rank}"))
 
 
 def _free_port() -> int:
