@@ -40,7 +40,11 @@ With several processes, every process calls it (and runs the save hooks). Their 
 states are gathered to process 0 (a few KiB over the checkpoint's gloo group), which
 writes the whole directory, with the files of its own hooks. The model and optimizer are
 those of process 0, as with ``save_state`` under DDP. On other processes the handle is
-already resolved.
+already resolved. Processes that name different directories get what ``save_state``
+writes into each (`_directories`): a process that names one of its own writes there its
+RNG state, its data loaders' states, the scaler and its hooks' files. Processes that name
+one directory share it (``save_on_each_node`` is not followed): on several machines it
+must be on storage they all see.
 
 Under FSDP2 with ``SHARDED_STATE_DICT`` every process writes its shards, in the layout of
 Accelerate's own FSDP saving (``pytorch_model_fsdp_<i>/`` and ``optimizer_<i>/`` DCP
