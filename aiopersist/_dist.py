@@ -183,6 +183,20 @@ class Coordinator:
         """Wait for every rank (blocking, as `all_gather`)."""
         self.all_gather(None)
 
+    def check_all(self, error: BaseException | None, what: str) -> None:
+        """Blocking, as `all_gather`: every rank tells whether its part of ``what`` went
+        through (``error``: it did not). Raises ``error`` on its rank, and
+        `RankFailedError` naming the first rank that failed on the others: a rank that
+        fails alone does not leave the others waiting at the next collective."""
+        text = None if error is None else f"{type(error).__name__}: {error}"
+        outcomes = self.all_gather(text)
+        if error is not None:
+            raise error
+        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        if failed:
+            rank, message = failed[0]
+            raise RankFailedError(f"{what} failed on rank {rank}: {message}")
+
     async def exchange(self, value: Any, error: BaseException | None = None, tag: Any = None) -> list[Any]:
         """Every rank's ``value``, by rank. If any rank reports an error (``error`` here),
         every rank raises: this rank its own ``error``, the others `RankFailedError`.

@@ -98,8 +98,37 @@ def own_directories(base: str) -> None:
     accelerator.wait_for_everyone()
 
 
+def one_directory_taken(base: str) -> None:
+    """Rank 1's directory is taken (not empty): its save_state raises, and rank 0's raises
+    RankFailedError naming it at once, instead of waiting for rank 1 at the next
+    collective until the timeout. Then both save again, together."""
+    from aiopersist.integrations.accelerate import save_state_blocking
+
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    target = os.path.join(base, f"ck-{rank}")
+    if rank == 1:
+        os.makedirs(target)
+        with open(os.path.join(target, "mine.txt"), "w") as f:
+            f.write("kept")
+    outcome = {}
+    with aiopersist.BlockingCheckpointer() as ck:
+        for attempt, directory in (("first", target), ("second", os.path.join(base, f"again-{rank}"))):
+            try:
+                save_state_blocking(accelerator, directory, checkpointer=ck).wait()
+                outcome[attempt] = "ok"
+            except Exception as exc:
+                outcome[attempt] = f"{type(exc).__name__}: {exc}"
+    sys.stdout.write(json.dumps({"rank": rank, **outcome}) + "\n")
+    sys.stdout.flush()
+    accelerator.wait_for_everyone()
+
+
 def main() -> None:
     base = sys.argv[1]
+    if sys.argv[2:] == ["one-directory-taken"]:
+        one_directory_taken(base)
+        return
     if sys.argv[2:] == ["save-state"]:
         save_state_and_restore(base)
         return

@@ -205,7 +205,6 @@ def _target(accelerator: Any, output_dir: str | os.PathLike[str] | None, overwri
                 f"Checkpoint directory {target} ({accelerator.save_iteration}) already exists. Please "
                 "manually override `self.save_iteration` with what iteration to start with."
             )
-        accelerator.wait_for_everyone()
         return target, False
     if output_dir is None:
         raise ValueError("save_state needs output_dir unless the Accelerator names checkpoints automatically")
@@ -445,7 +444,21 @@ def _prepare(
     the sharded save started): everything of a save that runs Accelerate's and the user's
     code, and the collectives (a barrier, the RNG states' gather). The asynchronous
     `save_state` runs it in a worker thread, off the event loop."""
-    target, replace = _target(accelerator, output_dir, overwrite)
+    error: Exception | None = None
+    try:
+        target, replace = _target(accelerator, output_dir, overwrite)
+    except Exception as exc:  # this process's directory: it may fail here alone
+        error = exc
+    if accelerator.num_processes > 1:
+        # Every process hears of a failure here (one whose output_dir is taken) rather than
+        # wait for the failed one at the next collective, as the stock save_state would.
+        coord = coordinator()
+        assert coord is not None
+        coord.check_all(error, "save_state")
+    elif error is not None:
+        raise error
+    if accelerator.project_configuration.automatic_checkpoint_naming:
+        accelerator.wait_for_everyone()  # as save_state, once the directory is known free
     if _is_fsdp(accelerator):
         return _Prepared(target, replace, sharded=_save_fsdp(accelerator, checkpointer, target, replace))
     model_state, extra, group, writes = _plan(accelerator, target, safe_serialization)

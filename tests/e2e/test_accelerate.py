@@ -490,6 +490,33 @@ def test_save_state_into_a_directory_per_process_writes_each_as_stock(tmp_path: 
         asyncio.run(aiopersist.verify(tmp_path / f"ours-{rank}"))
 
 
+def test_a_process_whose_directory_is_taken_fails_every_process_at_once(tmp_path: Path) -> None:
+    """Rank 1's output_dir is not empty: it raises CheckpointExistsError, rank 0
+    RankFailedError naming it (the old code left rank 0 waiting for rank 1 in a gather
+    until AIOPERSIST_DIST_TIMEOUT, here 60 s, then failing with another message), nothing
+    of rank 1's is touched, and the next save_state works on both."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    proc = subprocess.run(
+        [
+            str(accelerate), "launch", "--config_file", str(CONFIG), "--main_process_port", str(_free_port()),
+            "-m", "tests._accelerate_worker", str(tmp_path), "one-directory-taken",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+        env={**os.environ, "AIOPERSIST_DIST_TIMEOUT": "60"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = sorted(
+        (json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")), key=lambda o: o["rank"]
+    )
+    assert outs[1]["first"].startswith("CheckpointExistsError:"), outs
+    assert outs[0]["first"].startswith(
+        "RankFailedError: save_state failed on rank 1: CheckpointExistsError"
+    ), outs
+    assert outs[0]["second"] == outs[1]["second"] == "ok", outs
+    assert (tmp_path / "ck-1" / "mine.txt").read_text() == "kept"
+    assert not (tmp_path / "ck-0").exists()
+
+
 def _free_port() -> int:
     import socket
 
