@@ -13,7 +13,8 @@ saves, without stopping training for the write:
    once, and starts an asynchronous save of the model and the optimizer;
 3. the next step's forward and backward run while it is written; right before the next
    optimizer step (``on_pre_optimizer_step``) the callback waits until every byte has
-   left the live tensors (the fence);
+   left the live tensors (the fence). When another callback's ``on_save`` may read the
+   checkpoint, it is waited for before the Trainer calls ``on_save`` instead;
 4. once the checkpoint is committed, ``save_total_limit`` is applied in the background;
 5. where training stops, the last checkpoint is durable (and the older ones rotated)
    before the Trainer goes on, so ``load_best_model_at_end`` reads a complete checkpoint.
@@ -169,8 +170,16 @@ class AioPersistCallback(TrainerCallback):
     saved at exactly the stock point: after logging and evaluation, with the best metric
     and ``best_model_checkpoint`` recorded as the stock save records them, for every
     ``save_strategy`` (``"best"`` too) and for just-in-time checkpoints. Other
-    callbacks' ``on_save`` runs when the save has started, and their exported state
+    callbacks' ``on_save`` runs after the save, and their exported state
     (``ExportableState``) goes into ``trainer_state.json`` as with stock saves.
+
+    ``durable_on_save``: whether the save is waited for (committed, ``save_total_limit``
+    applied) before the Trainer calls the other callbacks' ``on_save``, so that one that
+    reads ``checkpoint-N`` there (uploads it, copies it, logs it as an artifact) finds it
+    complete, as after a stock save. ``None`` (the default): when another callback's
+    ``on_save`` may read it (`reads_checkpoint_on_save`); ``True``: always; ``False``:
+    never (``on_save`` then runs while the checkpoint is written, and the next step
+    overlaps it).
 
     ``save_total_limit`` is applied in a background thread as soon as each checkpoint is
     committed, keeping the best one. Where training stops, the last checkpoint is waited
@@ -194,11 +203,17 @@ class AioPersistCallback(TrainerCallback):
     """
 
     def __init__(
-        self, *, backend: str = "auto", mode: Mode = "fence", snapshot_bytes: int | None = None
+        self,
+        *,
+        backend: str = "auto",
+        mode: Mode = "fence",
+        snapshot_bytes: int | None = None,
+        durable_on_save: bool | None = None,
     ) -> None:
         self.backend = backend
         self.mode = mode
         self.snapshot_bytes = snapshot_bytes
+        self.durable_on_save = durable_on_save
         self._ckpt: BlockingCheckpointer | None = None
         self._sharded: ShardedSaver | None = None
         """Under FSDP: writes every rank's shards (see `_fsdp`)."""
@@ -434,6 +449,19 @@ class AioPersistCallback(TrainerCallback):
             # Nothing overlaps the last save: what comes next (load_best_model_at_end, the
             # stock cleanup of save_total_limit=1, the caller) needs it complete.
             self._drain(args)
+        elif self._durable_for_on_save(trainer):
+            # The Trainer calls on_save next: a callback that reads checkpoint-N there finds
+            # it complete and rotated, as after a stock save. Only this process waits, as
+            # the stock save has no barrier before on_save either.
+            self._drain(args, barrier=False)
+
+    def _durable_for_on_save(self, trainer: Trainer) -> bool:
+        """Whether the save must be durable before the other callbacks' ``on_save``
+        (``durable_on_save``, by default `reads_checkpoint_on_save` of each)."""
+        if self.durable_on_save is not None:
+            return self.durable_on_save
+        others = [cb for cb in trainer.callback_handler.callbacks if cb is not self]
+        return any(reads_checkpoint_on_save(cb) for cb in others)
 
     def _jit_checkpoint(self, trainer: Trainer, manager: Any) -> None:
         """``CheckpointManager.execute_jit_checkpoint`` (``enable_jit_checkpoint``), taken
@@ -543,10 +571,10 @@ class AioPersistCallback(TrainerCallback):
         if limit is not None and limit > 0:
             delete_checkpoints(to_rotate(_checkpoints(run_dir), limit, best))
 
-    def _drain(self, args: TrainingArguments) -> None:
+    def _drain(self, args: TrainingArguments, *, barrier: bool = True) -> None:
         """Wait until the save in flight is durable (raising its error) and rotated; under
-        DDP every rank then waits for process 0, so that none reads a checkpoint (the best
-        model) before it is there."""
+        DDP every rank then waits for process 0 (unless ``barrier=False``), so that none
+        reads a checkpoint (the best model) before it is there."""
         handle, self._handle = self._handle, None
         committer, self._committer = self._committer, None
         try:
@@ -557,10 +585,47 @@ class AioPersistCallback(TrainerCallback):
                 if committer is not None:
                     committer.join()
         finally:
-            if args.world_size > 1:
+            if barrier and args.world_size > 1:
                 coord = coordinator()
                 assert coord is not None
                 coord.barrier()
+
+
+# Transformers' own callbacks whose ``on_save`` reads ``checkpoint-N`` only when they are
+# configured to (their attribute, checked at each save, says whether): an unknown value,
+# or a missing attribute, counts as reading it.
+_READS_WHEN: dict[str, tuple[str, Any]] = {
+    "WandbCallback": ("_log_model", lambda v: getattr(v, "value", v) == "checkpoint"),  # WANDB_LOG_MODEL
+    "MLflowCallback": ("_log_artifacts", bool),  # HF_MLFLOW_LOG_ARTIFACTS
+    "NeptuneCallback": ("_should_upload_checkpoint", bool),  # log_checkpoints
+    "ClearMLCallback": ("_log_model", bool),  # CLEARML_LOG_MODEL
+    "FlyteCallback": ("sync_checkpoints", bool),
+    "DVCLiveCallback": ("_log_model", lambda v: v == "all"),  # log_model="all"
+}
+# Transformers' own callbacks whose ``on_save`` never reads the checkpoint.
+_NEVER_READS = ("TrackioCallback", "SwanLabCallback")
+_MISSING = object()
+
+
+def reads_checkpoint_on_save(callback: TrainerCallback) -> bool:
+    """Whether ``callback.on_save`` may read the checkpoint just saved: ``False`` when its
+    class keeps `TrainerCallback`'s ``on_save`` (which does nothing), or is one of
+    transformers' integrations (Weights & Biases, MLflow, Neptune, ClearML, Flyte,
+    DVCLive, Trackio, SwanLab) configured not to log checkpoints; ``True`` for any other
+    ``on_save``, which could (upload the directory, copy it, read its files)."""
+    cls = type(callback)
+    if getattr(cls, "on_save", None) is TrainerCallback.on_save:
+        return False
+    if not cls.__module__.startswith("transformers."):
+        return True
+    if cls.__name__ in _NEVER_READS:
+        return False
+    rule = _READS_WHEN.get(cls.__name__)
+    if rule is None:
+        return True
+    attribute, reads = rule
+    value = getattr(callback, attribute, _MISSING)
+    return value is _MISSING or bool(reads(value))
 
 
 _LEFTOVER_RE = re.compile(

@@ -340,6 +340,55 @@ def test_save_total_limit_applies_once_a_checkpoint_is_committed(tmp_path: Path,
     assert _checkpoint_names(run) == ["checkpoint-8"]
 
 
+class _ReadsOnSave(transformers.TrainerCallback):  # type: ignore[misc]
+    """Reads ``checkpoint-N`` in ``on_save``, as callbacks that upload or copy it do:
+    records its files, the step in its ``trainer_state.json``, and the checkpoints there."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[str], int, list[str]]] = []
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        run = Path(args.output_dir)
+        ckpt = run / f"checkpoint-{state.global_step}"
+        files = sorted(set(os.listdir(ckpt)) - {"aiopersist.json"})
+        step = json.loads((ckpt / "trainer_state.json").read_text())["global_step"]
+        self.seen.append((state.global_step, files, step, _checkpoint_names(run)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_other_callbacks_on_save_find_the_checkpoint_complete_as_stock(tmp_path: Path, backend: str) -> None:
+    """A callback whose ``on_save`` reads the checkpoint (uploads it, copies it, logs it as
+    an artifact, as the W&B, MLflow, Neptune, ClearML, Flyte and DVCLive integrations can)
+    finds it complete and rotated, as after a stock save."""
+    seen = {}
+    for name, extra in (("stock", []), ("ours", [AioPersistCallback(backend=backend)])):
+        reader = _ReadsOnSave()
+        _trainer(tmp_path / name, [*extra, reader], save_total_limit=1).train()
+        seen[name] = reader.seen
+    assert [s[0] for s in seen["stock"]] == [2, 4, 6, 8]
+    assert seen["ours"] == seen["stock"]
+
+
+def test_reads_checkpoint_on_save_tells_which_callbacks_may_read_it() -> None:
+    """Callbacks that keep the base ``on_save`` do not read the checkpoint; any other
+    ``on_save`` may; transformers' integrations read it as they are configured to."""
+    from transformers.integrations.integration_utils import MLflowCallback
+
+    from aiopersist.integrations.transformers import reads_checkpoint_on_save
+
+    assert not reads_checkpoint_on_save(transformers.EarlyStoppingCallback())
+    assert not reads_checkpoint_on_save(transformers.trainer_callback.DefaultFlowCallback())
+    assert not reads_checkpoint_on_save(_StopAt(1))
+    assert reads_checkpoint_on_save(_ReadsOnSave())
+    mlflow = MLflowCallback.__new__(MLflowCallback)  # its __init__ needs mlflow installed
+    mlflow._auto_end_run = False  # what its __del__ reads
+    assert reads_checkpoint_on_save(mlflow)  # not yet set up: it may
+    mlflow._log_artifacts = False
+    assert not reads_checkpoint_on_save(mlflow)
+    mlflow._log_artifacts = True  # HF_MLFLOW_LOG_ARTIFACTS=1
+    assert reads_checkpoint_on_save(mlflow)
+
+
 class _RequestJIT(transformers.TrainerCallback):  # type: ignore[misc]
     """Request a just-in-time checkpoint as SIGTERM does once its grace period is over;
     the Trainer's JIT callback takes it at its next event. With ``committed`` (a
