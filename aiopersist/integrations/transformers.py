@@ -723,11 +723,16 @@ def _model_save(model: Any, path: str) -> tuple[object, dict[str, bytes | TorchS
       ``PeftModel``, a quantized or offloaded model), or a transformers without the
       functions above: ``save_pretrained`` itself writes into a staging directory, and
       its files (the adapter's small weights included) go into the checkpoint.
-    - Any other module: its weights, as the stock save writes its state dict alone."""
+    - Any other module: its weights, as the stock save writes its state dict alone.
+
+    The buffers among the weights are copies (`_with_buffers_copied`): the next step's
+    forward runs while the weights are written, and may change them."""
     if _saved_by_itself(model):
         return None, dict(files_written_by(model.save_pretrained, path))
     if not isinstance(model, PreTrainedModel):
-        return model, {}
+        if not isinstance(model, torch.nn.Module):
+            return model, {}
+        return _with_buffers_copied(model, model.state_dict()), {}
     # save_pretrained records these in the model's own config before writing it.
     config = cast(Any, model.config)
     config.dtype = str(model.dtype).split(".")[1]
@@ -751,7 +756,24 @@ def _model_save(model: Any, path: str) -> tuple[object, dict[str, bytes | TorchS
     for key in model._keys_to_ignore_on_save or ():
         state.pop(key, None)
     state = remove_tied_weights_from_state_dict(state, model)
-    return revert_weight_conversion(model, state), dict(files_written_by(write, path))
+    state = _with_buffers_copied(model, revert_weight_conversion(model, state))
+    return state, dict(files_written_by(write, path))
+
+
+def _with_buffers_copied(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (the model's state dict) with a copy of every tensor that is one of the
+    model's buffers. In fence mode the weights are read from the live tensors until the
+    next optimizer step, and the optimizer changes only parameters; but the next step's
+    forward changes buffers in place (BatchNorm's running statistics and
+    ``num_batches_tracked``, a counter), which the stock save wrote as they were at the
+    save. Buffers are small beside the parameters; the copy is made on their device."""
+    live = {b.data_ptr() for b in model.buffers() if b.numel() and b.device.type != "meta"}
+    if not live:
+        return state
+    return {
+        k: v.clone() if isinstance(v, torch.Tensor) and v.numel() and v.data_ptr() in live else v
+        for k, v in state.items()
+    }
 
 
 def _saved_by_itself(model: Any) -> bool:

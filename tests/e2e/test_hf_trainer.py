@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -625,6 +626,90 @@ def test_a_training_that_raises_finishes_its_save_before_the_error_leaves_train(
     trainer.add_callback(_StopAt(3))
     trainer.train(resume_from_checkpoint=str(run / "checkpoint-2"))  # older weights, loaded in place
     _assert_same_weights(load_file(run / "checkpoint-4" / "model.safetensors"), saved)
+
+
+class _NormedLM(torch.nn.Module):
+    """Embeddings, a BatchNorm (its running statistics change in place in every training
+    forward), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 16)
+        self.norm = torch.nn.BatchNorm1d(16)
+        self.head = torch.nn.Linear(16, 128)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.norm(self.emb(input_ids).transpose(1, 2)).transpose(1, 2)
+        logits = self.head(h)
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+class _NormedConfig(transformers.PretrainedConfig):  # type: ignore[misc]
+    model_type = "aiopersist-normed"
+
+
+class _NormedPreTrained(transformers.PreTrainedModel):  # type: ignore[misc]
+    config_class = _NormedConfig
+
+    def __init__(self, config: _NormedConfig) -> None:
+        super().__init__(config)
+        self.inner = _NormedLM()
+        self.post_init()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return cast(dict[str, torch.Tensor], self.inner(input_ids, labels))
+
+
+class _ClearAt(transformers.TrainerCallback):  # type: ignore[misc]
+    def __init__(self, step: int, event: threading.Event) -> None:
+        self.step, self.event = step, event
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == self.step:
+            self.event.clear()  # set again by the next step's forward
+
+
+@pytest.mark.parametrize("pretrained", [False, True], ids=["module", "pretrained"])
+def test_buffers_changed_by_the_next_forward_are_saved_as_they_were_at_the_save(
+    tmp_path: Path, pretrained: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next step's forward runs while the checkpoint is written, and changes buffers
+    in place (BatchNorm's running statistics); the optimizer step, which the fence holds
+    back, changes only parameters. The checkpoint holds the buffers as they were at the
+    save, as the stock one does. The copies into staging wait until the next step's
+    forward has run (a second at most), so that it always runs first."""
+    from safetensors.torch import load_file
+
+    import aiopersist._stream as stream
+
+    forwarded = threading.Event()
+    real = stream._copy_all_jobs
+
+    def after_forward(jobs: Any) -> None:
+        forwarded.wait(1)
+        real(jobs)
+
+    monkeypatch.setattr(stream, "_copy_all_jobs", after_forward)
+    saved = {}
+    for name, extra in (("stock", []), ("ours", [AioPersistCallback(backend="threads")])):
+        torch.manual_seed(0)
+        model = _NormedPreTrained(_NormedConfig()) if pretrained else _NormedLM()
+        model.register_forward_hook(lambda *_: forwarded.set())
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), max_steps=3, save_steps=2, per_device_train_batch_size=4,
+            report_to=[], seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        )  # fmt: skip
+        trainer = transformers.Trainer(
+            model=model,
+            args=args,
+            train_dataset=Tokens(16, 8, 128),
+            callbacks=[*extra, _ClearAt(2, forwarded)],
+        )
+        trainer.train()
+        saved[name] = load_file(tmp_path / name / "checkpoint-2" / "model.safetensors")
+    assert saved["ours"].keys() == saved["stock"].keys()
+    for key, tensor in saved["stock"].items():
+        assert torch.equal(saved["ours"][key], tensor), key
 
 
 def test_a_trainer_left_by_a_failed_run_saves_as_stock_without_the_callback(tmp_path: Path) -> None:
