@@ -408,7 +408,8 @@ class AioPersistCallback(TrainerCallback):
                 _export_callback_states(trainer)
                 model_files: dict[str, bytes | TorchSave] = {}
                 if self._sharded is None:  # under FSDP the model is a DCP directory
-                    weights, model_files = _model_save(trainer.model, path)
+                    unwrapped = t.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+                    weights, model_files = _model_save(trainer.model, path, unwrapped)
                 files = self._checkpoint_files(trainer, path, rng_files, model_files)
             previous, self._handle = self._handle, None
             if previous is not None:
@@ -710,9 +711,10 @@ def _stock_shard_bytes() -> int:
     return int(parse_size_to_int(default))
 
 
-def _model_save(model: Any, path: str) -> tuple[object, dict[str, bytes | TorchSave]]:
+def _model_save(model: Any, path: str, unwrapped: Any = None) -> tuple[object, dict[str, bytes | TorchSave]]:
     """What the stock save writes for the model, as ``save_pretrained`` writes it: the
     weights aiopersist writes (``None``: none), and the model's other files.
+    ``unwrapped`` is ``model`` unwrapped as ``Trainer._save`` unwraps it (``None``: as is).
 
     - A ``PreTrainedModel``: the state dict ``save_pretrained`` writes, without the
       ``_keys_to_ignore_on_save``, tied weights once under the name it keeps, and weight
@@ -723,16 +725,33 @@ def _model_save(model: Any, path: str) -> tuple[object, dict[str, bytes | TorchS
       ``PeftModel``, a quantized or offloaded model), or a transformers without the
       functions above: ``save_pretrained`` itself writes into a staging directory, and
       its files (the adapter's small weights included) go into the checkpoint.
+    - A wrapper of one of those (a model compiled with ``torch.compile`` before it was
+      given to the Trainer): as ``Trainer._save``, the wrapper's state dict, under the
+      wrapper's names, written as the wrapped model's ``save_pretrained`` writes it, with
+      its config and the rest.
     - Any other module: its weights, as the stock save writes its state dict alone.
 
     The buffers among the weights are copies (`_with_buffers_copied`): the next step's
     forward runs while the weights are written, and may change them."""
+    inner = model if unwrapped is None else unwrapped
+    if inner is not model and (isinstance(inner, PreTrainedModel) or _is_peft(inner)):
+        state = model.state_dict()
+        if _saved_by_itself(inner):
+            return None, dict(files_written_by(lambda d: inner.save_pretrained(d, state_dict=state), path))
+        return _pretrained_save(inner, state, path)
     if _saved_by_itself(model):
         return None, dict(files_written_by(model.save_pretrained, path))
     if not isinstance(model, PreTrainedModel):
         if not isinstance(model, torch.nn.Module):
             return model, {}
         return _with_buffers_copied(model, model.state_dict()), {}
+    return _pretrained_save(model, model.state_dict(), path)
+
+
+def _pretrained_save(
+    model: Any, state: dict[str, Any], path: str
+) -> tuple[object, dict[str, bytes | TorchSave]]:
+    """`_model_save` of a ``PreTrainedModel`` whose state dict is ``state``."""
     # save_pretrained records these in the model's own config before writing it.
     config = cast(Any, model.config)
     config.dtype = str(model.dtype).split(".")[1]
@@ -752,7 +771,6 @@ def _model_save(model: Any, path: str) -> tuple[object, dict[str, bytes | TorchS
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    state = model.state_dict()
     for key in model._keys_to_ignore_on_save or ():
         state.pop(key, None)
     state = remove_tied_weights_from_state_dict(state, model)
@@ -779,9 +797,7 @@ def _with_buffers_copied(model: torch.nn.Module, state: dict[str, Any]) -> dict[
 def _saved_by_itself(model: Any) -> bool:
     """Whether ``save_pretrained`` writes ``model`` in a form of its own, or this
     transformers lacks what `_model_save` follows it with."""
-    if type(model).__name__ in ("PeftModel", "PeftModelForCausalLM") or any(
-        c.__module__.startswith("peft.") for c in type(model).__mro__
-    ):
+    if _is_peft(model):
         return True
     if not isinstance(model, PreTrainedModel):
         return False
@@ -799,6 +815,13 @@ def _saved_by_itself(model: Any) -> bool:
     except ImportError:
         return True
     return False
+
+
+def _is_peft(model: Any) -> bool:
+    """Whether ``model`` is a PEFT model (``PeftModel`` or one of its task classes)."""
+    return type(model).__name__ in ("PeftModel", "PeftModelForCausalLM") or any(
+        c.__module__.startswith("peft.") for c in type(model).__mro__
+    )
 
 
 def _processing_files(processing_class: Any, path: str) -> dict[str, bytes | TorchSave]:

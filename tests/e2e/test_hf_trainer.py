@@ -656,7 +656,7 @@ class _NormedPreTrained(transformers.PreTrainedModel):  # type: ignore[misc]
         self.inner = _NormedLM()
         self.post_init()
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **_: Any) -> dict[str, torch.Tensor]:
         return cast(dict[str, torch.Tensor], self.inner(input_ids, labels))
 
 
@@ -710,6 +710,31 @@ def test_buffers_changed_by_the_next_forward_are_saved_as_they_were_at_the_save(
     assert saved["ours"].keys() == saved["stock"].keys()
     for key, tensor in saved["stock"].items():
         assert torch.equal(saved["ours"][key], tensor), key
+
+
+def test_a_compiled_model_given_to_the_trainer_is_saved_as_stock(tmp_path: Path) -> None:
+    """A ``PreTrainedModel`` compiled before it is given to the Trainer is saved as
+    ``Trainer._save`` saves it: by the unwrapped model's ``save_pretrained``, so the
+    checkpoint holds its ``config.json`` too, and the weights under the wrapper's names."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name, extra in (("stock", []), ("ours", [AioPersistCallback()])):
+        torch.manual_seed(0)
+        model = torch.compile(_NormedPreTrained(_NormedConfig()), backend="eager")
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), max_steps=2, save_steps=2, per_device_train_batch_size=4,
+            report_to=[], seed=0, use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
+        )  # fmt: skip
+        transformers.Trainer(model=model, args=args, train_dataset=Tokens(8, 8, 128), callbacks=extra).train()
+        runs[name] = tmp_path / name / "checkpoint-2"
+    assert set(os.listdir(runs["ours"])) - {"aiopersist.json"} == set(os.listdir(runs["stock"]))
+    assert (runs["ours"] / "config.json").read_bytes() == (runs["stock"] / "config.json").read_bytes()
+    ours = load_file(runs["ours"] / "model.safetensors")
+    stock = load_file(runs["stock"] / "model.safetensors")
+    assert ours.keys() == stock.keys()
+    for key, tensor in stock.items():
+        assert torch.equal(ours[key], tensor), key
 
 
 def test_a_trainer_left_by_a_failed_run_saves_as_stock_without_the_callback(tmp_path: Path) -> None:
