@@ -40,12 +40,11 @@ import inspect
 import json
 import logging
 import os
-import random
 import re
+import tempfile
 import threading
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 try:
@@ -78,7 +77,7 @@ from .._manager import StepInfo, scan
 from .._names import TMP_MARKER, TRAINER_STEPS, TRASH_MARKER
 from .._retention import SaveTotalLimit, to_delete
 from .._save import SaveInfo, TorchSave
-from ._common import delete_checkpoints, files_written_by, gather_objects, torch_bytes
+from ._common import delete_checkpoints, files_written_by, gather_objects
 from ._fsdp import ShardedSave, ShardedSaver, check_plugin, fsdp_states
 
 log = logging.getLogger("aiopersist")
@@ -87,19 +86,26 @@ log = logging.getLogger("aiopersist")
 _TRACKS_BEST = ("steps", "epoch", "best")
 
 
-def _rng_states(distributed: bool = False) -> dict[str, Any]:
-    """What ``Trainer._save_rng_state`` saves for this process."""
-    states: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "cpu": torch.random.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        # As the Trainer does: every device's state under DDP, the current one's otherwise.
-        states["cuda"] = (
-            torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
-        )
-    return states
+def _torch_file(obj: object, name: str) -> bytes:
+    """``obj`` as ``torch.save(obj, ".../name")`` writes it, byte for byte: torch names the
+    records of the archive after the file (``scheduler/data.pkl``), where ``torch.save``
+    into a buffer names them ``archive/``. Written to a temporary file and read back
+    (these files are small)."""
+    with tempfile.TemporaryDirectory(prefix="aiopersist-") as directory:
+        torch.save(obj, os.path.join(directory, name))
+        with open(os.path.join(directory, name), "rb") as f:
+            return f.read()
+
+
+def _stock_rng_file(trainer: Trainer) -> tuple[str, bytes]:
+    """The RNG state file this process's stock save writes, and its name: written by the
+    Trainer's own ``_save_rng_state`` (every device's generator it knows of, CUDA's as the
+    parallel mode has it) into a temporary directory and read back."""
+    with tempfile.TemporaryDirectory(prefix="aiopersist-") as directory:
+        cast(Any, trainer)._save_rng_state(directory)
+        (name,) = os.listdir(directory)
+        with open(os.path.join(directory, name), "rb") as f:
+            return name, f.read()
 
 
 def _checkpoints(run_dir: str) -> list[StepInfo]:
@@ -400,7 +406,7 @@ class AioPersistCallback(TrainerCallback):
         run_dir = str(t._get_output_dir(trial=trial))
         path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         self._record_best(args, state, run_dir, path)
-        rng_files = self._gather_rng_states(args)  # every rank takes part; process 0 gets them
+        rng_files = self._gather_rng_states(trainer)  # every rank takes part; process 0 gets them
         if args.should_save or self._sharded is not None:
             files = None
             weights: object = None
@@ -509,10 +515,10 @@ class AioPersistCallback(TrainerCallback):
             if trainer.optimizer is not None and not sharded:
                 files["optimizer.pt"] = TorchSave(trainer.optimizer.state_dict())
             if trainer.lr_scheduler is not None:
-                files["scheduler.pt"] = torch_bytes(trainer.lr_scheduler.state_dict())
+                files["scheduler.pt"] = _torch_file(trainer.lr_scheduler.state_dict(), "scheduler.pt")
             scaler = getattr(trainer.accelerator, "scaler", None)  # fp16 on GPU
             if scaler is not None:
-                files["scaler.pt"] = torch_bytes(scaler.state_dict())
+                files["scaler.pt"] = _torch_file(scaler.state_dict(), "scaler.pt")
             files.update(rng_files)
         # As TrainerState.save_to_json writes it, at this moment: later steps change the state.
         files["trainer_state.json"] = (
@@ -520,7 +526,7 @@ class AioPersistCallback(TrainerCallback):
         ).encode()
         if sharded:
             return files
-        files["training_args.bin"] = torch_bytes(args)
+        files["training_args.bin"] = _torch_file(args, "training_args.bin")
         tokenizer = trainer.processing_class
         if tokenizer is None:
             # As Trainer._save: the data collator's tokenizer when there is no processing class.
@@ -529,19 +535,21 @@ class AioPersistCallback(TrainerCallback):
             files.update(_processing_files(tokenizer, path))
         return files
 
-    def _gather_rng_states(self, args: TrainingArguments) -> dict[str, bytes]:
-        """The ``rng_state*.pth`` files the Trainer's own save writes: ``rng_state.pth`` in
-        one process; under DDP ``rng_state_<i>.pth`` for every process ``i``, gathered to
-        process 0 (the only one that writes), where the stock save has each rank write its
-        own. Empty on the other ranks, and when ``save_only_model``."""
+    def _gather_rng_states(self, trainer: Trainer) -> dict[str, bytes]:
+        """The ``rng_state*.pth`` files the Trainer's own save writes, byte for byte
+        (`_stock_rng_file`): ``rng_state.pth`` in one process; under DDP
+        ``rng_state_<i>.pth`` for every process ``i``, gathered to process 0 (the only one
+        that writes), where the stock save has each rank write its own. Empty on the other
+        ranks, and when ``save_only_model``."""
+        args = trainer.args
         if args.save_only_model:
             return {}
         if args.world_size <= 1:
-            return {"rng_state.pth": torch_bytes(_rng_states())}
-        everyone = gather_objects(torch_bytes(_rng_states(distributed=True)))
+            return dict([_stock_rng_file(trainer)])
+        everyone = gather_objects(_stock_rng_file(trainer))
         if args.process_index != 0:
             return {}
-        return {f"rng_state_{i}.pth": cast(bytes, b) for i, b in enumerate(everyone)}
+        return dict(cast(list[tuple[str, bytes]], everyone))
 
     # -- after the save ---------------------------------------------------------------------
 

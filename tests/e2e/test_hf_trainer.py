@@ -755,6 +755,26 @@ def test_a_trainer_left_by_a_failed_run_saves_as_stock_without_the_callback(tmp_
     assert "_save_checkpoint" not in vars(trainer)
 
 
+def test_small_files_are_the_stock_ones_byte_for_byte(tmp_path: Path) -> None:
+    """``rng_state.pth`` (written by the Trainer's own ``_save_rng_state``: every device's
+    generator, as the parallel mode has it), ``scheduler.pt`` and ``training_args.bin``
+    are the files ``torch.save`` writes to those names, whose archive records are named
+    after the file, as in a stock checkpoint."""
+    import zipfile
+
+    runs = {}
+    for name, extra in (("stock", []), ("ours", [AioPersistCallback()])):
+        _trainer(tmp_path / name, extra, max_steps=2).train()
+        runs[name] = tmp_path / name / "checkpoint-2"
+    for small in ("rng_state.pth", "scheduler.pt"):
+        assert (runs["ours"] / small).read_bytes() == (runs["stock"] / small).read_bytes(), small
+    ours, stock = (zipfile.ZipFile(runs[n] / "training_args.bin").namelist() for n in ("ours", "stock"))
+    assert ours == stock
+    assert stock[0] == "training_args/data.pkl"
+    args = {n: torch.load(runs[n] / "training_args.bin", weights_only=False).to_dict() for n in runs}
+    assert {**args["ours"], "output_dir": None} == {**args["stock"], "output_dir": None}
+
+
 def _tokenizer() -> Any:
     """A fast tokenizer built offline, with a default chat template and a named one: its
     ``save_pretrained`` writes ``additional_chat_templates/tool_use.jinja``."""
