@@ -414,8 +414,7 @@ class AioPersistCallback(TrainerCallback):
                 _export_callback_states(trainer)
                 model_files: dict[str, bytes | TorchSave] = {}
                 if self._sharded is None:  # under FSDP the model is a DCP directory
-                    unwrapped = t.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
-                    weights, model_files = _model_save(trainer.model, path, unwrapped)
+                    weights, model_files = _model_save(trainer.model, path, _unwrapped(trainer))
                 files = self._checkpoint_files(trainer, path, rng_files, model_files)
             previous, self._handle = self._handle, None
             if previous is not None:
@@ -823,6 +822,16 @@ def _saved_by_itself(model: Any) -> bool:
     except ImportError:
         return True
     return False
+
+
+def _unwrapped(trainer: Trainer) -> Any:
+    """``trainer.model`` unwrapped as ``Trainer._save`` unwraps it: by its accelerator,
+    out of ``torch.compile`` too (an Accelerate older than ``keep_torch_compile`` always
+    unwraps it)."""
+    unwrap = cast(Any, trainer).accelerator.unwrap_model
+    if "keep_torch_compile" in inspect.signature(unwrap).parameters:
+        return unwrap(trainer.model, keep_torch_compile=False)
+    return unwrap(trainer.model)
 
 
 def _is_peft(model: Any) -> bool:
