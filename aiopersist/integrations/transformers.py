@@ -617,12 +617,14 @@ _MISSING = object()
 
 def reads_checkpoint_on_save(callback: TrainerCallback) -> bool:
     """Whether ``callback.on_save`` may read the checkpoint just saved: ``False`` when its
-    class keeps `TrainerCallback`'s ``on_save`` (which does nothing), or is one of
-    transformers' integrations (Weights & Biases, MLflow, Neptune, ClearML, Flyte,
-    DVCLive, Trackio, SwanLab) configured not to log checkpoints; ``True`` for any other
-    ``on_save``, which could (upload the directory, copy it, read its files)."""
-    cls = type(callback)
-    if getattr(cls, "on_save", None) is TrainerCallback.on_save:
+    class keeps `TrainerCallback`'s ``on_save`` (which does nothing), or runs the
+    ``on_save`` of one of transformers' integrations (Weights & Biases, MLflow and
+    DagsHub, Neptune, ClearML, Flyte, DVCLive, Trackio, SwanLab) configured not to log
+    checkpoints; ``True`` for any other ``on_save``, which could (upload the directory,
+    copy it, read its files)."""
+    # The class whose on_save it runs (an integration's subclass runs the integration's).
+    cls = next((c for c in type(callback).__mro__ if "on_save" in vars(c)), TrainerCallback)
+    if cls is TrainerCallback:
         return False
     if not cls.__module__.startswith("transformers."):
         return True

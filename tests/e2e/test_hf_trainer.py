@@ -389,6 +389,13 @@ def test_reads_checkpoint_on_save_tells_which_callbacks_may_read_it() -> None:
     mlflow._log_artifacts = True  # HF_MLFLOW_LOG_ARTIFACTS=1
     assert reads_checkpoint_on_save(mlflow)
 
+    class Subclass(MLflowCallback):  # type: ignore[misc]  # as DagsHubCallback: MLflow's on_save
+        pass
+
+    sub = Subclass.__new__(Subclass)
+    sub._auto_end_run, sub._log_artifacts = False, False
+    assert not reads_checkpoint_on_save(sub)
+
 
 class _RequestJIT(transformers.TrainerCallback):  # type: ignore[misc]
     """Request a just-in-time checkpoint as SIGTERM does once its grace period is over;
