@@ -133,3 +133,21 @@ def delete_checkpoints(paths: Sequence[str], done: Callable[[str], None] | None 
         if done is not None:
             done(path)
     return failed
+
+
+def _plain(t: object) -> bool:
+    """A tensor of this process's own (not a DTensor or another subclass's view)."""
+    return isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def with_buffers_copied(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (the model's state dict) with a copy of every tensor that is one of the
+    model's buffers. In fence mode the weights are read from the live tensors until the
+    next optimizer step, and the optimizer changes only parameters; but the next step's
+    forward changes buffers in place (BatchNorm's running statistics and
+    ``num_batches_tracked``, a counter), which the stock save wrote as they were at the
+    save. Buffers are small beside the parameters; the copy is made on their device."""
+    live = {b.data_ptr() for b in model.buffers() if _plain(b) and b.numel() and b.device.type != "meta"}
+    if not live:
+        return state
+    return {k: v.clone() if _plain(v) and v.numel() and v.data_ptr() in live else v for k, v in state.items()}

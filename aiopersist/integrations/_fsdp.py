@@ -64,6 +64,7 @@ from .._names import MANIFEST_NAME
 from .._save import SafetensorsSave, SaveInfo, TorchSave, check_file_names, write_extra_files, write_file
 from .._staging import StagingPool
 from .._workers import DaemonThreadPool
+from ._common import with_buffers_copied
 from .dcp import AiopersistWriter, _dcp_manifest, _Fence, _new_fence, _on_engine
 
 Files = Mapping[str, "bytes | TorchSave | SafetensorsSave"]
@@ -331,7 +332,11 @@ def fsdp_states(models: list[Any], optimizers: list[Any], plugin: Any) -> dict[s
     options = sharded_state_options(plugin)
     states: dict[str, Any] = {}
     for i, model in enumerate(models):
-        states[f"pytorch_model_fsdp_{i}"] = {"model": get_model_state_dict(model, options=options)}
+        # Buffers copied: the next step's forward changes them in place (BatchNorm's running
+        # statistics) while the shards are written; the parameters wait for the fence.
+        states[f"pytorch_model_fsdp_{i}"] = {
+            "model": with_buffers_copied(model, get_model_state_dict(model, options=options))
+        }
     for i, optimizer in enumerate(optimizers):
         states[f"optimizer_{i}"] = {
             "optimizer": get_optimizer_state_dict(models[i], optimizer, options=options)

@@ -76,7 +76,14 @@ from .._dist import _derived_group, background_group, coordinator, process0_grou
 from .._exceptions import CheckpointExistsError
 from .._names import TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
 from .._save import SafetensorsSave, SaveInfo, TorchSave
-from ._common import delete_checkpoints, files_written_by, gather_objects, off_loop_as_caller, torch_bytes
+from ._common import (
+    delete_checkpoints,
+    files_written_by,
+    gather_objects,
+    off_loop_as_caller,
+    torch_bytes,
+    with_buffers_copied,
+)
 from ._fsdp import ShardedSave, ShardedSaver, check_plugin, fsdp_states
 
 log = logging.getLogger("aiopersist")
@@ -276,7 +283,12 @@ def _plan(
     rank = accelerator.process_index
     directories = _directories(accelerator, target)
     writes = _writer(directories, rank) == rank
-    weights = [accelerator.get_state_dict(model, unwrap=False) for model in accelerator._models]
+    # The buffers copied: the next step's forward changes them in place (BatchNorm's
+    # running statistics) before the optimizer step that the fence holds back.
+    weights = [
+        with_buffers_copied(model, accelerator.get_state_dict(model, unwrap=False))
+        for model in accelerator._models
+    ]
     hooked = _run_save_hooks(accelerator, weights, target, keep=writes)
     group = None
     if accelerator.num_processes > 1:

@@ -77,7 +77,7 @@ from .._manager import StepInfo, scan
 from .._names import TMP_MARKER, TRAINER_STEPS, TRASH_MARKER
 from .._retention import SaveTotalLimit, to_delete
 from .._save import SaveInfo, TorchSave
-from ._common import delete_checkpoints, files_written_by, gather_objects
+from ._common import delete_checkpoints, files_written_by, gather_objects, with_buffers_copied
 from ._fsdp import ShardedSave, ShardedSaver, check_plugin, fsdp_states
 
 log = logging.getLogger("aiopersist")
@@ -740,7 +740,7 @@ def _model_save(model: Any, path: str, unwrapped: Any = None) -> tuple[object, d
       its config and the rest.
     - Any other module: its weights, as the stock save writes its state dict alone.
 
-    The buffers among the weights are copies (`_with_buffers_copied`): the next step's
+    The buffers among the weights are copies (`with_buffers_copied`): the next step's
     forward runs while the weights are written, and may change them."""
     inner = model if unwrapped is None else unwrapped
     if inner is not model and (isinstance(inner, PreTrainedModel) or _is_peft(inner)):
@@ -753,7 +753,7 @@ def _model_save(model: Any, path: str, unwrapped: Any = None) -> tuple[object, d
     if not isinstance(model, PreTrainedModel):
         if not isinstance(model, torch.nn.Module):
             return model, {}
-        return _with_buffers_copied(model, model.state_dict()), {}
+        return with_buffers_copied(model, model.state_dict()), {}
     return _pretrained_save(model, model.state_dict(), path)
 
 
@@ -783,24 +783,8 @@ def _pretrained_save(
     for key in model._keys_to_ignore_on_save or ():
         state.pop(key, None)
     state = remove_tied_weights_from_state_dict(state, model)
-    state = _with_buffers_copied(model, revert_weight_conversion(model, state))
+    state = with_buffers_copied(model, revert_weight_conversion(model, state))
     return state, dict(files_written_by(write, path))
-
-
-def _with_buffers_copied(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` (the model's state dict) with a copy of every tensor that is one of the
-    model's buffers. In fence mode the weights are read from the live tensors until the
-    next optimizer step, and the optimizer changes only parameters; but the next step's
-    forward changes buffers in place (BatchNorm's running statistics and
-    ``num_batches_tracked``, a counter), which the stock save wrote as they were at the
-    save. Buffers are small beside the parameters; the copy is made on their device."""
-    live = {b.data_ptr() for b in model.buffers() if b.numel() and b.device.type != "meta"}
-    if not live:
-        return state
-    return {
-        k: v.clone() if isinstance(v, torch.Tensor) and v.numel() and v.data_ptr() in live else v
-        for k, v in state.items()
-    }
 
 
 def _saved_by_itself(model: Any) -> bool:

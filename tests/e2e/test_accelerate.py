@@ -269,6 +269,49 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_buffers_changed_by_the_next_forward_are_saved_as_they_were_at_the_save(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next step's forward runs before the optimizer step that the fence holds back,
+    and changes buffers in place (BatchNorm's running statistics, ``num_batches_tracked``).
+    The checkpoint holds them as they were at the save, as stock ``save_state``'s does: the
+    copies into staging are held back here until that forward has run (the old code wrote
+    the next step's statistics)."""
+    import aiopersist._stream as stream
+
+    forwarded = threading.Event()
+    real = stream._copy_all_jobs
+
+    def after_forward(jobs: Any) -> None:
+        forwarded.wait(5)
+        real(jobs)
+
+    monkeypatch.setattr(stream, "_copy_all_jobs", after_forward)
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = accelerator.prepare(model, opt)
+    model(torch.randn(4, 32)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    accelerator.save_state(str(tmp_path / "stock"))
+    with aiopersist.BlockingCheckpointer(backend=backend) as ck:
+        handle = save_state_blocking(accelerator, tmp_path / "ours", checkpointer=ck)
+        loss = model(torch.randn(4, 32)).pow(2).mean()  # the next step's forward
+        forwarded.set()
+        handle.wait_staged()
+        loss.backward()
+        opt.step()
+        handle.wait()
+    stock = _load_weights(tmp_path / "stock" / "model.safetensors")
+    ours = _load_weights(tmp_path / "ours" / "model.safetensors")
+    assert ours.keys() == stock.keys()
+    for key, tensor in stock.items():
+        assert torch.equal(ours[key], tensor), key
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("safe_serialization", [True, False], ids=["safetensors", "torch-save"])
 def test_several_models_are_written_one_file_each_as_stock(
     tmp_path: Path, backend: str, safe_serialization: bool
