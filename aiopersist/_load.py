@@ -124,18 +124,19 @@ def _digests(parts: Sequence[torch.Tensor]) -> list[str]:
     return out
 
 
-def _check_memory(needed: int, where: str) -> None:
+def _check_memory(needed: int, where: str, doing: str = "loading it") -> None:
     """`NotEnoughMemoryError` when a load would allocate ``needed`` bytes of host memory
     and this process has less available (see `_memory`): refused before anything is
     allocated, so that a checkpoint claiming more than the machine has (a sparse file,
     whose checksum cannot be checked before it is read) is a typed error, not the OOM
-    killer. Device memory is not counted: a load reads into host memory first."""
+    killer. Device memory is not counted: a load reads into host memory first. ``doing``
+    says what needs the memory, after ``where`` in the message."""
     if needed == 0 or not _knobs.memory_check_enabled():
         return
     available = _memory.available_bytes()
     if available is not None and needed > available:
         raise NotEnoughMemoryError(
-            f"{where}: loading it needs {needed} bytes ({needed / (1 << 30):.1f} GiB) of host memory, "
+            f"{where}: {doing} needs {needed} bytes ({needed / (1 << 30):.1f} GiB) of host memory, "
             f"{available} ({available / (1 << 30):.1f} GiB) are available (free memory and swap, within "
             "this process's memory cgroup); nothing was allocated",
             needed,

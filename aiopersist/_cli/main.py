@@ -16,7 +16,7 @@ import tempfile
 import time
 import traceback
 import unicodedata
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
@@ -958,8 +958,8 @@ def _named_tensors(state: object) -> tuple[dict[str, torch.Tensor], int, int]:
         if isinstance(leaf, torch.Tensor):
             found.append((name, leaf.detach()))
         elif isinstance(leaf, np.ndarray):
-            try:
-                found.append((name, torch.from_numpy(np.ascontiguousarray(leaf))))
+            try:  # its own memory and strides: a view is not copied here (see _write_safetensors)
+                found.append((name, torch.from_numpy(leaf)))
             except TypeError as exc:
                 raise ValueError(
                     f"{name}: numpy dtype {leaf.dtype} has no tensor equivalent ({exc})"
@@ -975,26 +975,152 @@ _WRITE_CHUNK = 16 << 20
 """Bytes written at a time by ``convert`` (the progress line moves by as much)."""
 
 
-def _write_safetensors(tmp: str, tensors: Mapping[str, torch.Tensor], bar: Progress) -> None:
-    """``tensors`` as one safetensors file with the metadata ``{"format": "pt"}``, laid
-    out by the code that lays out aiopersist's own data files. Each tensor is written from
-    its own memory (copied only when not contiguous), so tensors that share memory are
-    written each in full; ``bar`` hears of every chunk written."""
-    import torch
-
+def _safetensors_layout(tensors: Mapping[str, torch.Tensor]) -> FileLayout:
+    """The layout of the safetensors file ``convert`` writes for ``tensors``: their
+    dtypes checked, every tensor at its full size (a view or an alias is written in full:
+    safetensors shares nothing)."""
     from .._format import layout_file, supported_dtype
 
     for name, t in tensors.items():
         if not supported_dtype(t.dtype):
             raise ValueError(f"{name}: dtype {t.dtype} cannot be stored in a safetensors file")
-    layout = layout_file([(n, t.dtype, t.shape) for n, t in tensors.items()], {"format": "pt"}, alignment=8)
+    return layout_file([(n, t.dtype, t.shape) for n, t in tensors.items()], {"format": "pt"}, alignment=8)
+
+
+def _pieces(t: torch.Tensor, limit: int = _WRITE_CHUNK) -> Iterator[torch.Tensor]:
+    """The bytes of ``t`` in row-major order, as contiguous uint8 tensors of at most
+    ``limit`` bytes (or one element, if larger), each valid until the next is asked for.
+    A tensor that is not contiguous (a view with zero or overlapping strides may claim far
+    more than its storage holds) is copied a piece at a time into one buffer, never whole."""
+    import torch
+
+    if t.is_contiguous():
+        flat = t.reshape(-1).view(torch.uint8)
+        for pos in range(0, flat.numel(), limit):
+            yield flat[pos : pos + limit]
+        return
+    buffer = torch.empty(max(1, min(t.numel(), limit // t.element_size())), dtype=t.dtype)
+    yield from _copied(t, buffer)
+
+
+def _copied(t: torch.Tensor, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+    """`_pieces` of a tensor that is not contiguous: as many rows at a time as ``buffer``
+    holds, or each row's pieces (recursively) when one row is larger than it."""
+    import torch
+
+    if t.dim() == 0 or t.numel() <= buffer.numel():
+        piece = buffer[: t.numel()].view(t.shape)
+        piece.copy_(t)
+        yield piece.reshape(-1).view(torch.uint8)
+        return
+    row = t[0].numel()
+    if row <= buffer.numel():
+        step = buffer.numel() // row
+        for i in range(0, t.shape[0], step):
+            yield from _copied(t[i : i + step], buffer)
+    else:
+        for i in range(t.shape[0]):
+            yield from _copied(t[i], buffer)
+
+
+def _write_safetensors(
+    tmp: str, layout: FileLayout, tensors: Mapping[str, torch.Tensor], bar: Progress
+) -> None:
+    """``tensors`` as one safetensors file laid out by ``layout`` (`_safetensors_layout`),
+    each written from its own memory a piece at a time (`_pieces`: at most
+    `_WRITE_CHUNK` bytes copied at once, and only of a tensor that is not contiguous), so
+    that tensors that share memory are written each in full without ever being held in
+    full, and a view claiming terabytes costs one piece of memory; ``bar`` hears of every
+    piece written."""
     with open(tmp, "wb") as f:
         f.write(layout.header)
         bar.add(len(layout.header))
         for t in tensors.values():
-            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
-            for pos in range(0, len(data), _WRITE_CHUNK):
-                bar.add(f.write(data[pos : pos + _WRITE_CHUNK]))
+            for piece in _pieces(t.detach().cpu()):
+                bar.add(f.write(piece.numpy().data))
+
+
+def _largest(sizes: Iterable[tuple[str, int, int]]) -> tuple[str, int, int] | None:
+    """Of ``(name, full size, bytes of memory it covers)``, the one of the largest full
+    size (``None``: none)."""
+    return max(sizes, key=lambda item: item[1], default=None)
+
+
+def _sizes(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, int, int]]:
+    """Each tensor's name, full size and the bytes of storage it covers (less than its
+    size for a view with zero or overlapping strides)."""
+    for name, t in named:
+        covered = (
+            0 if t.numel() == 0 else sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+        )
+        yield name, t.numel() * t.element_size(), covered * t.element_size()
+
+
+def _what(largest: tuple[str, int, int] | None) -> str:
+    """What ``convert``'s refusal says of the largest tensor (`_largest`)."""
+    if largest is None:
+        return ""
+    name, size, covered = largest
+    held = f", a view of {human(covered)} of stored data" if covered < size else ""
+    return f"the largest is {printable(name)!r}: {human(size)}{held}"
+
+
+def _check_room(out: str, needed: int, largest: tuple[str, int, int] | None) -> None:
+    """`DiskFullError` when the file system of ``out`` has less free space than the
+    ``needed`` bytes of the file ``convert`` would write (checked before anything is
+    written: a view of a few bytes may claim terabytes, written in full)."""
+    import errno
+
+    from .._exceptions import DiskFullError
+
+    st = os.statvfs(os.path.dirname(out))
+    free = st.f_bavail * st.f_frsize
+    if needed > free:
+        raise DiskFullError(
+            errno.ENOSPC,
+            f"writing it needs {needed} bytes ({human(needed)}), its file system has {free} "
+            f"({human(free)}) free; {_what(largest) or 'no tensor'}; nothing was written",
+            out,
+            call="convert",
+        )
+
+
+_PICKLED_ARRAY_COPIES = 6
+"""Bytes of memory ``torch.save`` takes per byte of the numpy arrays it saves, at its peak
+(measured, torch 2.x: the array's elements as bytes, the pickle's buffer as it grows, and
+the copy of it written out), all at once, however little memory a view of a base shares."""
+
+
+def _check_torch_save(out: str, state: object, path: str) -> None:
+    """``torch.save`` of ``state`` checked before it starts: its size (each storage once,
+    as ``torch.save`` writes it, and each numpy array in full) against the free space of
+    ``out``'s file system, and the memory that pickling its numpy arrays takes
+    (`_PICKLED_ARRAY_COPIES`) against the memory available."""
+    import numpy as np
+    import torch
+
+    from .._load import _check_memory
+
+    storages: dict[int, tuple[str, int, int]] = {}
+    arrays: list[tuple[str, int, int]] = []
+    for parts, leaf in _leaves(state, []):
+        if isinstance(leaf, torch.Tensor):
+            nbytes = leaf.untyped_storage().nbytes()
+            storages[leaf.untyped_storage().data_ptr()] = (".".join(parts) or "tensor", nbytes, nbytes)
+        elif isinstance(leaf, np.ndarray):
+            last = sum((n - 1) * s for n, s in zip(leaf.shape, leaf.strides, strict=True))
+            arrays.append(
+                (".".join(parts) or "array", leaf.nbytes, 0 if leaf.size == 0 else last + leaf.itemsize)
+            )
+    array_bytes = sum(size for _, size, _ in arrays)
+    largest = _largest(arrays)
+    _check_memory(
+        _PICKLED_ARRAY_COPIES * array_bytes,
+        path,
+        f"converting it to a torch.save file, which pickles its numpy arrays whole ({_what(largest)}),",
+    )
+    written = [*storages.values(), *arrays]
+    _check_room(out, sum(size for _, size, _ in written), _largest(written))
 
 
 class _CountingFile:
@@ -1063,8 +1189,10 @@ def _convert(args: argparse.Namespace) -> int:
         if not tensors:
             print(f"aiopersist: error: {args.path} holds no tensors: nothing to convert", file=sys.stderr)
             return 1
-        with Progress("convert") as bar:
-            _publish(out, lambda tmp: _write_safetensors(tmp, tensors, bar))
+        layout = _safetensors_layout(tensors)
+        _check_room(out, layout.file_bytes, _largest(_sizes(tensors.items())))
+        with Progress("convert", layout.file_bytes) as bar:
+            _publish(out, lambda tmp: _write_safetensors(tmp, layout, tensors, bar))
         print(f"wrote {out}: safetensors, {_plural(len(tensors), 'tensor')}, {human(os.path.getsize(out))}")
         if arrays:
             print(f"note: numpy arrays stored as tensors: {arrays}")
@@ -1072,6 +1200,8 @@ def _convert(args: argparse.Namespace) -> int:
             print(f"note: values left out (not tensors: numbers, strings, ...): {others}")
     else:
         import torch
+
+        _check_torch_save(out, state, args.path)
 
         def write(tmp: str) -> None:
             with open(tmp, "wb") as f:
