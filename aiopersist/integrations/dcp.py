@@ -105,6 +105,7 @@ from .._exceptions import (
     from_os_error,
 )
 from .._format import MAX_COUNT, bounded_count
+from .._load import _check_memory
 from .._locate import checkpoint_paths, locate, own_parts, read_small, regular_size, token_at
 from .._manifest import (
     EntryRecord,
@@ -1257,13 +1258,17 @@ class AiopersistReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every entry the plan needs (each once, however many items use it) through
-        the engine, check each against its checksum, then hand them to the planner."""
-        wanted: dict[tuple[str, int, int], torch.Tensor] = {}
-        for req in plan.items:
-            info = self._record(req)
-            key = (info.relative_path, info.offset, info.offset + info.length)
-            if key not in wanted:
-                wanted[key] = torch.empty(info.length, dtype=torch.uint8)
+        the engine, check each against its checksum, then hand them to the planner. The
+        entries are allocated first: `NotEnoughMemoryError` when they need more host memory
+        than is available (a record of a sparse file may claim terabytes)."""
+        keys = {
+            (info.relative_path, info.offset, info.offset + info.length): info.length
+            for info in map(self._record, plan.items)
+        }
+        # Every entry is allocated before a byte of it is read (and checked): a record of
+        # a sparse file may claim more than the machine has.
+        _check_memory(sum(keys.values()), self._path())
+        wanted = {key: torch.empty(length, dtype=torch.uint8) for key, length in keys.items()}
         files = {rel: self._files[os.path.normpath(rel)] for rel, _, _ in wanted}
         backend = self.backend
         _on_engine(lambda: _read_entries(backend, {r: f[1] for r, f in files.items()}, wanted)).result()

@@ -545,3 +545,43 @@ def test_a_size_with_a_zero_among_huge_dimensions_is_listed(
     rc, out, err = _cli(capsys, "inspect", str(ck))
     assert (rc, err) == (0, "")
     assert re.search(r"\ba +F32 +\[4611686018427387904, .*, 0\] +0 B", out)
+
+
+_CLAIM_SCRIPT = """
+import resource, sys
+import torch, torch.distributed.checkpoint as dcp
+from aiopersist.integrations.dcp import AiopersistReader
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+try:
+    dcp.load({"a": torch.zeros(4000), "b": {"x": 0, "name": ""}}, checkpoint_id=sys.argv[1],
+             storage_reader=AiopersistReader(backend=sys.argv[2]))
+except BaseException as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_record_claiming_more_than_the_memory_available_is_refused_before_allocating(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A record of a sparse file claiming 1 TiB: `NotEnoughMemoryError`, nothing allocated
+    (the load runs under an address-space limit, so that a regression fails here rather
+    than takes the machine's memory)."""
+    _stock(tmp_path)
+    md = _metadata(tmp_path)
+    info = md.storage_data[A]
+    data = tmp_path / info.relative_path
+    end = data.stat().st_size
+    md.storage_data[A] = _StorageInfo(info.relative_path, end, 1 << 40, info.transform_descriptors)
+    os.truncate(data, end + (1 << 40))  # sparse: no block of it is written
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLAIM_SCRIPT, str(tmp_path), backend_name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = re.search(r": loading it needs (\d+) bytes \(1024\.0 GiB\) of host memory", proc.stdout)
+    assert found, proc.stdout[-2000:]
+    assert 1 << 40 < int(found[1]) < (1 << 40) + (1 << 20)  # the claim, and the values' entries
+    assert "NotEnoughMemoryError" in proc.stdout, proc.stdout[-2000:]
