@@ -57,6 +57,7 @@ import copy
 import dataclasses
 import datetime
 import io
+import itertools
 import logging
 import math
 import os
@@ -102,6 +103,7 @@ from .._exceptions import (
     CheckpointCorruptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    UnsupportedStateError,
     from_os_error,
 )
 from .._format import MAX_COUNT, bounded_count
@@ -1105,12 +1107,22 @@ class AiopersistReader(StorageReader):
     is checked against the checksums of ``aiopersist.json`` first) and by DCP's own
     ``FileSystemWriter`` (no checksums to check). ``path`` is the checkpoint directory
     (or pass ``checkpoint_id`` to ``dcp.load``).
+
+    Values that are not tensors are deserialized by DCP's default planner with
+    ``torch.load(weights_only=False)``, which runs whatever a pickle names: each is first
+    loaded with ``weights_only=True``, and one that needs more (a class of its own, or a
+    hostile pickle) is refused with `UnsupportedStateError`, nothing of it run, unless
+    ``allow_pickle=True`` (only for checkpoints you trust). A planner of your own
+    deserializes its values as it likes: they are handed to it unchecked.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, backend: str = "auto") -> None:
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, *, backend: str = "auto", allow_pickle: bool = False
+    ) -> None:
         super().__init__()
         self.path = os.path.abspath(os.fspath(path)) if path is not None else None
         self.backend = backend
+        self.allow_pickle = allow_pickle
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self._sizes: dict[str, int] = {}
@@ -1119,10 +1131,10 @@ class AiopersistReader(StorageReader):
         self._checked = False
         """The directory has aiopersist's manifest: every file and entry is listed."""
         self._entries: dict[tuple[str, int, int], str] = {}
-        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
-        """(fqn, chunk offsets) -> the saved chunk's dtype and shape, from the metadata."""
         """(file, begin, end) -> the entry's checksum, from the manifest (none for DCP's own
         directories)."""
+        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]] = {}
+        """(fqn, chunk offsets) -> the saved chunk's dtype and shape, from the metadata."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -1290,8 +1302,12 @@ class AiopersistReader(StorageReader):
             key = (info.relative_path, info.offset, info.offset + info.length)
             blob = wanted[key]
             if req.type == LoadItemType.BYTE_IO:
+                value = blob.numpy().tobytes()
+                where = f"{files[key[0]][1]} bytes {key[1]}..{key[2]}"
+                if not self.allow_pickle and _unpickles_anything(planner):
+                    _check_value(value, req.storage_index.fqn, where)
                 try:
-                    planner.load_bytes(req, io.BytesIO(blob.numpy().tobytes()))
+                    planner.load_bytes(req, io.BytesIO(value))
                 except Exception as exc:  # DCP's deserializing of bytes it cannot read
                     raise CheckpointCorruptError(
                         f"{files[key[0]][1]} bytes {key[1]}..{key[2]}: not a value DCP can read "
@@ -1318,6 +1334,38 @@ class AiopersistReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, str | os.PathLike)
+
+
+def _unpickles_anything(planner: LoadPlanner) -> bool:
+    """Whether ``planner`` deserializes values as DCP's default planner does, with
+    ``torch.load(weights_only=False)``."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    return getattr(type(planner), "load_bytes", None) is DefaultLoadPlanner.load_bytes
+
+
+def _check_value(value: bytes, fqn: str, where: str) -> None:
+    """A value's bytes, refused unless ``torch.load(weights_only=True)`` reads them: the
+    default planner's ``torch.load(weights_only=False)`` would run whatever the pickle
+    names (the same pickle, read by the restricted unpickler first, can name only what
+    it allows). A pickle that names anything else is an `UnsupportedStateError`; bytes
+    that are no value at all a `CheckpointCorruptError`."""
+    try:
+        torch.load(io.BytesIO(value), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        named = next((line for line in lines if "GLOBAL" in line), None)
+        if isinstance(exc, pickle.UnpicklingError) and named is not None:
+            raise UnsupportedStateError(
+                f"{where}: the value {fqn!r} needs unpickling beyond weights_only ({named[:300]}); "
+                "nothing of it was run. Pass AiopersistReader(..., allow_pickle=True) to load it, only "
+                "for checkpoints you trust: unpickling can run code"
+            ) from exc
+        after = [b for a, b in itertools.pairwise(lines) if a.endswith("WeightsUnpickler error:")]
+        why = (after or lines or [""])[0][:300]
+        raise CheckpointCorruptError(
+            f"{where}: not a value DCP can read ({type(exc).__name__}: {why})"
+        ) from exc
 
 
 def _raw_tensor(blob: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import datetime
+import io
 import json
 import os
 import pickle
@@ -585,3 +587,52 @@ def test_a_record_claiming_more_than_the_memory_available_is_refused_before_allo
     assert found, proc.stdout[-2000:]
     assert 1 << 40 < int(found[1]) < (1 << 40) + (1 << 20)  # the claim, and the values' entries
     assert "NotEnoughMemoryError" in proc.stdout, proc.stdout[-2000:]
+
+
+class _RunsCode:
+    """A value whose unpickling makes a directory: what a hostile pickle could do instead."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.mkdir, (self.path,)
+
+
+def _with_value(ck: Path, fqn: str, value: object) -> None:
+    """``value``, as DCP's planner serializes it, made the entry of the value ``fqn``
+    (appended to its file, its record pointed at it), as a forger would."""
+    md = _metadata(ck)
+    index = MetadataIndex(fqn)
+    info = md.storage_data[index]
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    data = ck / info.relative_path
+    end = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(buf.getvalue())
+    md.storage_data[index] = _StorageInfo(
+        info.relative_path, end, len(buf.getvalue()), info.transform_descriptors
+    )
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def test_a_value_that_would_run_code_is_refused_unrun(backend_name: str, tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    _stock(ck)
+    ran = tmp_path / "ran"
+    _with_value(ck, "b.x", _RunsCode(str(ran)))
+    _refused(
+        ck,
+        backend_name,
+        "the value 'b.x' needs unpickling beyond weights_only (Trying to load unsupported GLOBAL posix.mkdir",
+    )
+    assert not ran.exists()
+    # A value of a class of its own is refused too, and loads with allow_pickle=True.
+    _with_value(ck, "b.x", datetime.date(2024, 1, 2))
+    _refused(ck, backend_name, "'b.x' needs unpickling beyond weights_only")
+    target = _target()
+    reader = AiopersistReader(backend=backend_name, allow_pickle=True)
+    dcp.load(target, checkpoint_id=str(ck), storage_reader=reader)
+    assert target["b"]["x"] == datetime.date(2024, 1, 2)
+    assert torch.equal(target["a"], torch.arange(4000.0))
