@@ -28,7 +28,7 @@ from ._exceptions import (
     UnsupportedStateError,
     maps_os_errors,
 )
-from ._flatten import build_view, flatten
+from ._flatten import _byte_extent, build_view, flatten
 from ._format import FileLayout, header_length, parse_header
 from ._into import load_into
 from ._locate import READ_FLAGS, Located, PathArg, locate
@@ -462,18 +462,73 @@ def _rebuild(state: RankState, stored: dict[str, torch.Tensor], pickled: list[ob
     return decode(state.skeleton, tensor, unpickled)
 
 
-def _to_device(obj: Any, device: torch.device, memo: dict[int, torch.Tensor]) -> Any:
+def _tensors_in(obj: Any, found: dict[int, torch.Tensor]) -> None:
     if isinstance(obj, torch.Tensor):
-        key = id(obj)
-        if key not in memo:
-            memo[key] = obj.to(device)
-        return memo[key]
+        found[id(obj)] = obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors_in(v, found)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            _tensors_in(v, found)
+
+
+def _on_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor on ``device``, tensors that share memory still sharing it
+    there: the bytes of each storage that its tensors cover are copied once, and every
+    tensor is rebuilt on them with its own offset, shape and strides. ``Tensor.to``
+    alone would copy each view apart, in full: a view of 4 bytes claiming 4 TiB (stride
+    0) would ask the device for 4 TiB."""
+    found: dict[int, torch.Tensor] = {}
+    _tensors_in(obj, found)
+    spans: dict[tuple[int, int], tuple[int, int]] = {}
+    for t in found.values():
+        if _shares(t):
+            start, end = _byte_extent(t)
+            key = _storage_key(t)
+            low, high = spans.get(key, (start, end))
+            spans[key] = (min(low, start), max(high, end))
+    moved: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+    for t in found.values():
+        key = _storage_key(t)
+        if key in spans and key not in moved:
+            start, end = spans[key]
+            start -= start % 16  # a multiple of every dtype's size
+            span = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), start, (end - start,), (1,))
+            moved[key] = (start, span.to(device))
+    memo: dict[int, torch.Tensor] = {}
+    for key_id, t in found.items():
+        key = _storage_key(t)
+        if not _shares(t) or key not in moved:
+            memo[key_id] = t.to(device)
+            continue
+        start, span = moved[key]
+        offset = (t.storage_offset() * t.element_size() - start) // t.element_size()
+        memo[key_id] = torch.empty(0, dtype=t.dtype, device=device).set_(
+            span.untyped_storage(), offset, t.shape, t.stride()
+        )
+    return _replaced(obj, memo)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _shares(t: torch.Tensor) -> bool:
+    """A plain CPU tensor with memory: moved as a span of its storage (`_on_device`)."""
+    return type(t) is torch.Tensor and t.device.type == "cpu" and t.numel() > 0
+
+
+def _replaced(obj: Any, memo: dict[int, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return memo[id(obj)]
     if isinstance(obj, dict):
-        return {k: _to_device(v, device, memo) for k, v in obj.items()}
+        return {k: _replaced(v, memo) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_to_device(v, device, memo) for v in obj]
+        return [_replaced(v, memo) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_to_device(v, device, memo) for v in obj)
+        return tuple(_replaced(v, memo) for v in obj)
     return obj
 
 
@@ -544,7 +599,7 @@ async def load(
         return into
     device = torch.device(map_location)
     if device.type != "cpu":
-        state = await asyncio.to_thread(_to_device, state, device, {})
+        state = await asyncio.to_thread(_on_device, state, device)
     return state
 
 

@@ -453,6 +453,27 @@ async def test_a_view_reaching_past_its_base_is_refused(backend_name: str, tmp_p
     await _refused(ckpt, backend_name, r"1 dimensions but 2 strides")
 
 
+async def test_a_view_claiming_terabytes_moves_to_another_device_as_its_storage(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A view may claim far more than its base holds (one element, stride 0, 4 TiB):
+    ``map_location`` moves each storage once and rebuilds the views on it, as on the CPU;
+    copying each view apart would ask the device for the 4 TiB (``meta`` stands in for a
+    GPU here: it allocates nothing, and says what would have been)."""
+    base = torch.arange(4, dtype=torch.float32)
+    state = {"m": {"huge": base[:1].expand(1 << 40), "base": base, "tail": base[1:3]}}
+    ckpt = await _checkpoint(tmp_path / "c", backend_name, state)
+    got = (await aiopersist.load(ckpt, backend=backend_name, map_location="meta"))["m"]
+    for name, t in got.items():
+        assert t.device.type == "meta", name
+        assert t.untyped_storage().nbytes() == 16, (name, t.untyped_storage().nbytes())
+        assert (t.shape, t.stride(), t.storage_offset()) == (
+            state["m"][name].shape,
+            state["m"][name].stride(),
+            state["m"][name].storage_offset(),
+        ), name
+
+
 async def test_hf_headers_with_absurd_shapes_are_refused(backend_name: str, tmp_path: Path) -> None:
     for shape in ([0, 1 << 70], [1 << 40, 1 << 40], [-1], "ab"):
         header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
