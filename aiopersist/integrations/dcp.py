@@ -905,6 +905,15 @@ def _pickle_ops() -> dict[str, tuple[int, int, int, int]]:
 
 
 _PICKLE_OPS = _pickle_ops()
+_ADDS_TO = frozenset(
+    op.code
+    for op in pickletools.opcodes
+    if op.name in ("APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS", "BUILD")
+)
+"""The opcodes that add to the object below their items (a list, dict or set its
+items, an object its state) and push that object back: it holds them one level down,
+however many times it is added to (a pickler adds a long list's items a thousand at a
+time)."""
 
 
 def _check_pickle_shape(raw: bytes, where: str) -> None:
@@ -939,6 +948,11 @@ def _check_pickle_shape(raw: bytes, where: str) -> None:
                     if pops == 2:
                         del stack[-1]
                         d0, w0 = stack[-1]
+                        if op.code in _ADDS_TO:  # APPEND, BUILD: one level below the object
+                            if d >= deepest:
+                                raise ValueError(f"objects nested more than {deepest} deep")
+                            stack[-1] = (max(d0, d + 1), w0 + w)
+                            continue
                         d, w = max(d, d0), w + w0
                     if d >= deepest:
                         raise ValueError(f"objects nested more than {deepest} deep")
@@ -984,10 +998,14 @@ def _check_pickle_shape(raw: bytes, where: str) -> None:
                 continue
             else:  # STOP
                 break
-            depth = 1 + max((d for d, _ in children), default=-1)
+            if op.code in _ADDS_TO:  # the object first, then what is added to it
+                depth = max(children[0][0], 1 + max((d for d, _ in children[1:]), default=-1))
+                item = (depth, sum(w for _, w in children))
+            else:
+                depth = 1 + max((d for d, _ in children), default=-1)
+                item = (depth, 1 + sum(w for _, w in children))
             if depth > deepest:
                 raise ValueError(f"objects nested more than {deepest} deep")
-            item = (depth, 1 + sum(w for _, w in children))
             if pushes == 1:
                 append(item)
             elif pushes:

@@ -248,6 +248,27 @@ def test_real_metadata_passes_the_opcode_walk() -> None:
     _check_pickle_shape(pickle.dumps(_many_chunks()), "x")
 
 
+def test_long_lists_and_dicts_pass_the_opcode_walk() -> None:
+    """A pickler adds a list's or dict's items a thousand at a time (one at a time in
+    protocols 0 and 1): the container holds them one level down however many batches
+    there are. DCP's metadata of 65,001 values (more than 64 batches) is not nested 65
+    deep."""
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        _check_pickle_shape(pickle.dumps([[i] for i in range(65_001)], protocol=protocol), "x")
+        _check_pickle_shape(pickle.dumps({i: (i,) for i in range(65_001)}, protocol=protocol), "x")
+    values = {f"v{i}": BytesStorageMetadata() for i in range(65_001)}
+    records = {MetadataIndex(f"v{i}"): _StorageInfo("__0_0.distcp", i, 1) for i in range(65_001)}
+    _check_pickle_shape(pickle.dumps(Metadata(values, storage_data=records)), "x")
+    # Nesting is still counted: lists 64 deep pass, 65 deep do not, however built.
+    deep: list[Any] = []
+    for _ in range(64):
+        deep = [deep]
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        _check_pickle_shape(pickle.dumps(deep, protocol=protocol), "x")
+        with pytest.raises(aiopersist.CheckpointCorruptError, match="nested more than 64 deep"):
+            _check_pickle_shape(pickle.dumps([deep], protocol=protocol), "x")
+
+
 def _many_chunks() -> Metadata:
     tensors: dict[str, Any] = {}
     records: dict[MetadataIndex, _StorageInfo] = {}
