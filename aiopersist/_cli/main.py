@@ -984,6 +984,10 @@ def _safetensors_layout(tensors: Mapping[str, torch.Tensor]) -> FileLayout:
     for name, t in tensors.items():
         if not supported_dtype(t.dtype):
             raise ValueError(f"{name}: dtype {t.dtype} cannot be stored in a safetensors file")
+        try:
+            name.encode()
+        except UnicodeEncodeError:  # a lone surrogate, which JSON (a manifest's skeleton) can hold
+            raise ValueError(f"{name}: a name a safetensors file cannot hold (not UTF-8)") from None
     return layout_file([(n, t.dtype, t.shape) for n, t in tensors.items()], {"format": "pt"}, alignment=8)
 
 

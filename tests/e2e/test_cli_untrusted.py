@@ -157,3 +157,20 @@ def test_convert_writes_a_view_a_piece_at_a_time(backend_name: str, tmp_path: Pa
             assert torch.equal(f.get_tensor("m.base"), torch.arange(4, dtype=torch.float32))
         out.unlink()
     assert peaks[1] - peaks[0] < 64 << 20, peaks  # one 16 MiB piece, and some slack
+
+
+def test_convert_names_a_tensor_whose_name_safetensors_cannot_hold(tmp_path: Path) -> None:
+    """A skeleton key that is a lone surrogate (JSON can hold one, UTF-8 cannot)."""
+    ckpt = tmp_path / "ckpt"
+    aiopersist.save_sync({"m": {"w": torch.ones(3)}}, ckpt)
+    manifest = ckpt / "aiopersist.json"
+    doc = json.loads(manifest.read_text())
+    doc.pop("manifest_checksum")
+    doc["skeleton"]["m"]["\ud800x"] = doc["skeleton"]["m"].pop("w")
+    doc["manifest_checksum"] = xxhash.xxh3_64_hexdigest(_canonical(doc))
+    manifest.write_text(json.dumps(doc))
+    out = tmp_path / "x.safetensors"
+    rc, _, err, _ = _cli("convert", str(ckpt), "--to", "safetensors", str(out))
+    assert rc == 1, err
+    assert "m.\\ud800x: a name a safetensors file cannot hold (not UTF-8)" in err, err
+    assert not out.exists()
