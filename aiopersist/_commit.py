@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
-from ._exceptions import CheckpointExistsError, from_os_error, io_error
+from ._exceptions import CheckpointExistsError, DiskFullError, from_os_error, io_error
 from ._names import OLD_MARKER, beside, is_work_place, temp_path
 
 T = TypeVar("T")
@@ -39,6 +39,25 @@ def fsync_directory(path: str) -> None:
         raise from_os_error(exc, "fsync", path) from exc
     finally:
         os.close(fd)
+
+
+def check_room(directory: str, needed: int, call: str) -> None:
+    """`DiskFullError` (``ENOSPC``) when the file system of ``directory`` has fewer free
+    bytes than ``needed``: said before anything is written, rather than after writing
+    until it is full (a view of a few bytes may claim terabytes, written in full). What
+    others write meanwhile is still caught when it happens."""
+    try:
+        st = os.statvfs(directory)
+    except OSError as exc:
+        raise from_os_error(exc, call, directory) from exc
+    free = st.f_bavail * st.f_frsize
+    if needed > free:
+        raise DiskFullError(
+            errno.ENOSPC,
+            f"{needed} bytes to write, {free} free on its file system; nothing was written",
+            directory,
+            call=call,
+        )
 
 
 def make_directories(path: str) -> None:

@@ -66,6 +66,14 @@ def memory_check_enabled() -> bool:
     return os.environ.get("AIOPERSIST_MEMORY_CHECK", "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
+def space_check_enabled() -> bool:
+    """``AIOPERSIST_SPACE_CHECK=0`` lets a save start writing files bigger than the free
+    space its file system reports (where the report is wrong: a compressing or
+    deduplicating file system); the write then fails with ``ENOSPC`` when the space runs
+    out, as it does when others fill the disk meanwhile."""
+    return os.environ.get("AIOPERSIST_SPACE_CHECK", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
 def snapshot_bytes() -> int:
     """Most host memory ``Checkpointer(mode="snapshot")`` may copy a state into."""
     return _env_int("AIOPERSIST_SNAPSHOT_BYTES", 8 << 30)

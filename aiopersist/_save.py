@@ -43,6 +43,7 @@ import torch
 from . import _knobs
 from ._backends import IOBackend, open_backend, to_thread_to_the_end
 from ._commit import (
+    check_room,
     fsync_directory,
     make_directories,
     make_temp,
@@ -749,6 +750,17 @@ async def _write_mine(
         await to_thread_to_the_end(make_directories, where)  # the abort must come after
         dirs[d] = where
     probes = {i: await to_thread_to_the_end(probe_directory, d) for i, d in dirs.items()}
+    # What each directory takes of this rank's (data files, the pickle, the extra files of
+    # known size), against its free space: before anything is written.
+    needed = dict.fromkeys(dirs, 0)
+    for f in mine:
+        needed[f.directory] += f.layout.data_offset + f.layout.data_bytes
+    if pickled is not None:
+        needed[0] += len(pickled)
+    needed[0] += sum(len(c) for c in additions.values() if isinstance(c, bytes | bytearray | memoryview))
+    if _knobs.space_check_enabled():
+        for d, n in needed.items():
+            await asyncio.to_thread(check_room, dirs[d], n, "save")
 
     def data(part: PartPlan) -> torch.Tensor:
         src = sources[part.source]

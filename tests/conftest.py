@@ -93,6 +93,15 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         yield p
 
 
+@pytest.fixture(params=["checked", "unchecked"])
+def space_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A save's free-space check before it writes (``checked``: a full disk is refused
+    before anything is written), or none (``unchecked``, AIOPERSIST_SPACE_CHECK=0: the
+    write itself meets ENOSPC, as when others fill the disk meanwhile)."""
+    monkeypatch.setenv("AIOPERSIST_SPACE_CHECK", "1" if request.param == "checked" else "0")
+    return str(request.param)
+
+
 @pytest.fixture
 def readonly_fs(tmp_path: Path) -> Iterator[Path]:
     """A read-only file system: even root cannot create files there."""

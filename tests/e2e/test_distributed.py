@@ -381,7 +381,7 @@ def test_a_cancelled_save_s_exchange_ends_before_the_next_save_s(tmp_path: Path,
 
 @pytest.mark.root
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_disk_full_on_one_rank_commits_nothing(tmp_path: Path, backend: str) -> None:
+def test_disk_full_on_one_rank_commits_nothing(tmp_path: Path, backend: str, space_check: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
     small = tmp_path / "b"
@@ -390,8 +390,11 @@ def test_disk_full_on_one_rank_commits_nothing(tmp_path: Path, backend: str) -> 
     if mounted.returncode != 0:
         pytest.skip("cannot mount tmpfs here")
     try:
-        outs = run_ranks("disk-full", tmp_path, backend)
+        outs = run_ranks(
+            "disk-full", tmp_path, backend, AIOPERSIST_SPACE_CHECK=os.environ["AIOPERSIST_SPACE_CHECK"]
+        )
         assert outs[1].get("error") == "DiskFullError", outs
+        assert ("nothing was written" in outs[1]["message"]) == (space_check == "checked"), outs
         assert outs[0].get("error") == "RankFailedError", outs
         assert "DiskFullError" in outs[0]["message"]
         assert not (tmp_path / "a" / "ck").exists()

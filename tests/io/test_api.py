@@ -129,7 +129,9 @@ async def test_truncated_checkpoint_is_corrupt(backend_name: str, tmp_path: Path
 
 
 @pytest.mark.root
-async def test_disk_full_keeps_the_older_checkpoint(backend_name: str, small_fs: Path) -> None:
+async def test_disk_full_keeps_the_older_checkpoint(
+    backend_name: str, small_fs: Path, space_check: str
+) -> None:
     old = {"a": torch.randn(1000)}
     await aiopersist.save(old, small_fs / "c", backend=backend_name)
     with pytest.raises(aiopersist.DiskFullError) as info:
@@ -137,11 +139,31 @@ async def test_disk_full_keeps_the_older_checkpoint(backend_name: str, small_fs:
             {"a": torch.randn(4 << 20)}, small_fs / "c", backend=backend_name, overwrite=True
         )
     assert info.value.errno == 28
+    assert ("nothing was written" in str(info.value)) == (space_check == "checked"), info.value
     assert sorted(os.listdir(small_fs)) == ["c"]  # no temporary directory left
     loaded = await aiopersist.load(small_fs / "c", backend=backend_name)
     assert torch.equal(loaded["a"], old["a"])
     # after freeing space, saving works again
     await aiopersist.save({"a": torch.randn(100)}, small_fs / "d", backend=backend_name)
+
+
+@pytest.mark.root
+async def test_a_view_claiming_more_than_the_disk_holds_is_refused_before_writing(
+    backend_name: str, small_fs: Path
+) -> None:
+    """A model's weights are written in the Hugging Face layout, views materialized: a view
+    of 4 bytes claiming 4 TiB (stride 0) would be streamed until the disk is full. The
+    free space is checked first: DiskFullError, nothing written (the old code wrote the
+    4 MiB file system full before failing)."""
+    model = torch.nn.Linear(4, 4)
+    kept = model.weight.detach().clone()
+    await aiopersist.save(model, small_fs / "c", backend=backend_name)
+    model.weight = torch.nn.Parameter(torch.ones(1).expand(1 << 40).view(1 << 20, 1 << 20))  # 4 TiB
+    with pytest.raises(aiopersist.DiskFullError, match="nothing was written") as info:
+        await aiopersist.save(model, small_fs / "c", backend=backend_name, overwrite=True)
+    assert info.value.errno == 28
+    assert sorted(os.listdir(small_fs)) == ["c"]
+    assert torch.equal((await aiopersist.load(small_fs / "c", backend=backend_name))["weight"], kept)
 
 
 async def test_killed_save_leaves_no_final_directory(tmp_path: Path) -> None:

@@ -85,11 +85,12 @@ async def test_errors_reach_both_futures_with_their_type(backend_name: str, tmp_
 
 
 @pytest.mark.root
-async def test_disk_full_during_a_save(backend_name: str, small_fs: Path) -> None:
+async def test_disk_full_during_a_save(backend_name: str, small_fs: Path, space_check: str) -> None:
     async with aiopersist.Checkpointer(backend=backend_name) as ck:
         handle = await ck.save(_state(n=4), small_fs / "c")  # 8 MiB into 4 MiB
-        with pytest.raises(aiopersist.DiskFullError):
+        with pytest.raises(aiopersist.DiskFullError) as info:
             await handle.done
+    assert ("nothing was written" in str(info.value)) == (space_check == "checked"), info.value
     assert os.listdir(small_fs) == []
 
 
