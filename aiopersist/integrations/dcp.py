@@ -56,6 +56,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import datetime
+import errno
 import io
 import itertools
 import logging
@@ -63,6 +64,7 @@ import math
 import os
 import pickle
 import pickletools
+import stat
 import struct
 import threading
 import uuid
@@ -512,6 +514,9 @@ class AiopersistWriter(StorageWriter):
         self._pending: tuple[list[str], str] | None = None
         """On the coordinator, between claiming a save's directories and its ``finish``: the
         checkpoint's paths and the save's token."""
+        self._into_empty = False
+        """The coordinator's save goes where an empty directory stands (a stock
+        ``FileSystemWriter`` writes into it, whatever ``overwrite`` says)."""
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -579,7 +584,10 @@ class AiopersistWriter(StorageWriter):
         token = uuid.uuid4().hex[:12]
         ndirs = len(self._paths())
         if self.publish:
-            make_temp(self._path(), self.overwrite, token)
+            # An empty directory is no checkpoint: taken as FileSystemWriter takes it (a
+            # tempfile.mkdtemp() named as the checkpoint), even without overwrite.
+            self._into_empty = not self.overwrite and _empty_directory(self._path())
+            make_temp(self._path(), self.overwrite or self._into_empty, token)
             self._pending = (self._paths(), token)
         else:
             _make_in_place(self._path())
@@ -696,6 +704,8 @@ class AiopersistWriter(StorageWriter):
             backend = self.backend
             _on_engine(lambda: _write_metadata_and_manifest(backend, tmp, raw, manifest)).result()
             _wait_deletions()  # what earlier saves replaced: one replaced checkpoint at most
+            if self._into_empty:
+                _remove_empty_directory(final)
             publish_with_parts(tmp, final, parts, self.overwrite, discard=_delete_later)
             published = True
         except BaseException:
@@ -713,6 +723,29 @@ class AiopersistWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, str | os.PathLike)
+
+
+def _empty_directory(path: str) -> bool:
+    """``path`` is a directory (not a link to one) with nothing in it."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and not os.listdir(path)
+    except OSError:
+        return False
+
+
+def _remove_empty_directory(path: str) -> None:
+    """Remove the empty directory a save without ``overwrite`` takes the place of: what
+    was written there since the save began is kept, and the save refused."""
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise CheckpointExistsError(
+                f"{path} already exists (pass overwrite=True to replace it)"
+            ) from None
+        raise from_os_error(exc, "rmdir", path) from exc
 
 
 def _make_in_place(path: str) -> None:

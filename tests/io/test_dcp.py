@@ -232,6 +232,51 @@ def test_an_existing_checkpoint_is_kept_unless_overwrite(backend_name: str, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # the old one went, and no temp
 
 
+def test_an_empty_directory_is_taken_as_filesystemwriter_takes_it(backend_name: str, tmp_path: Path) -> None:
+    # tempfile.mkdtemp() named as the checkpoint: FileSystemWriter writes into it, whatever
+    # overwrite says; it holds no checkpoint to keep.
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    dcp.save(_state(0), checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
+    assert _same(_load(ck, FileSystemReader(str(ck))), _state(0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    # A directory holding anything is still refused, and kept as it was.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    _refused(
+        lambda: dcp.save(_state(1), checkpoint_id=str(other), storage_writer=AiopersistWriter()),
+        "already exists",
+    )
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
+def test_an_empty_directory_filled_during_the_save_is_kept(backend_name: str, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+
+    class FillsTheDirectory(DefaultSavePlanner):
+        """Something else writes into the directory while the save runs."""
+
+        def resolve_data(self, write_item: Any) -> Any:
+            (ck / "late.txt").write_text("written meanwhile")
+            return super().resolve_data(write_item)
+
+    _refused(
+        lambda: dcp.save(
+            _state(0),
+            checkpoint_id=str(ck),
+            storage_writer=AiopersistWriter(backend=backend_name),
+            planner=FillsTheDirectory(),
+        ),
+        "already exists",
+    )
+    assert [p.name for p in ck.iterdir()] == ["late.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temporary directory left
+
+
 @pytest.mark.root
 def test_a_full_disk_fails_the_save_and_keeps_the_old_checkpoint(backend_name: str, small_fs: Path) -> None:
     ck = small_fs / "ck"
