@@ -1204,13 +1204,28 @@ class AiopersistReader(StorageReader):
         """DCP's ``Metadata``, checked: against the manifest's checksum when there is one,
         through a restricted unpickler always, and every storage record it gives (a plain
         file in the directory, bytes inside it; with a manifest, exactly one checksummed
-        entry) before anything is read from the data files."""
+        entry) before anything is read from the data files.
+
+        With ``rank`` (DCP asks so when there is no ``.metadata``), the rank's own
+        ``__<rank>.metadata`` that ``FileSystemWriter`` writes in a save with
+        ``use_collectives=False``; `AiopersistWriter` never writes those."""
         root = self._path()
-        meta_path = os.path.join(root, METADATA_FILE)
+        rank = kwargs.get("rank")
+        if rank is None:
+            meta_name = METADATA_FILE
+        elif isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0:
+            meta_name = f"__{rank}{METADATA_FILE}"
+        else:
+            raise ValueError(f"AiopersistReader.read_metadata: rank {rank!r} is not a rank")
+        meta_path = os.path.join(root, meta_name)
         self._sizes, self._entries, self._files = {}, {}, {}
         self._checked = False
         manifest: Manifest | None = None
         if os.path.lexists(os.path.join(root, MANIFEST_NAME)):
+            if rank is not None:
+                raise CheckpointNotFoundError(
+                    f"{root}: an AiopersistWriter checkpoint has no per-rank {meta_name}"
+                )
             loc = locate(root)
             manifest = loc.manifest
             if manifest is None or manifest.layout != "dcp":
@@ -1229,9 +1244,7 @@ class AiopersistReader(StorageReader):
                 (n, e.begin, e.end): e.checksum for n, found in manifest.entries.items() for e in found
             }
         elif not os.path.lexists(meta_path):
-            raise CheckpointNotFoundError(
-                f"{root}: no torch.distributed.checkpoint here (no {METADATA_FILE})"
-            )
+            raise CheckpointNotFoundError(f"{root}: no torch.distributed.checkpoint here (no {meta_name})")
         raw = read_small(meta_path, MAX_METADATA_BYTES)
         if manifest is not None:
             rec = manifest.files.get(METADATA_FILE)

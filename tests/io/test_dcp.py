@@ -210,6 +210,16 @@ def test_dcps_own_directory_is_read_through_the_engine(backend_name: str, tmp_pa
     assert _same(_load(ck, AiopersistReader(backend=backend_name)), state)
 
 
+def test_dcps_own_directory_saved_without_collectives_is_read(backend_name: str, tmp_path: Path) -> None:
+    # FileSystemWriter with use_collectives=False writes __<rank>.metadata and no .metadata;
+    # DCP's load then asks the reader for the rank's own metadata.
+    ck = tmp_path / "stock"
+    state = _state(1)
+    dcp.save(state, storage_writer=FileSystemWriter(str(ck)), use_collectives=False)
+    assert sorted(p.name for p in ck.iterdir()) == ["__0.metadata", "__0_0.distcp"]
+    assert _same(_load(ck, AiopersistReader(backend=backend_name)), state)
+
+
 def test_an_existing_checkpoint_is_kept_unless_overwrite(backend_name: str, tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     dcp.save(_state(0), checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
