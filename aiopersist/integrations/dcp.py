@@ -722,7 +722,8 @@ class AiopersistWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, str | os.PathLike)
+        """As ``FileSystemWriter``'s: a local path (not a URL such as ``s3://...``)."""
+        return bool(_dcp_filesystem.FileSystem.validate_checkpoint_id(checkpoint_id))
 
 
 def _empty_directory(path: str) -> bool:
@@ -1397,7 +1398,8 @@ class AiopersistReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, str | os.PathLike)
+        """As ``FileSystemReader``'s: a local path (not a URL such as ``s3://...``)."""
+        return bool(_dcp_filesystem.FileSystem.validate_checkpoint_id(checkpoint_id))
 
 
 def _unpickles_anything(planner: LoadPlanner) -> bool:

@@ -220,6 +220,13 @@ def test_dcps_own_directory_saved_without_collectives_is_read(backend_name: str,
     assert _same(_load(ck, AiopersistReader(backend=backend_name)), state)
 
 
+def test_checkpoint_ids_are_told_apart_as_filesystemwriter_tells_them(tmp_path: Path) -> None:
+    for cid in ("s3://bucket/ck", "abc://abc.abc", str(tmp_path / "ck"), tmp_path / "ck"):
+        for ours, stock in ((AiopersistWriter, FileSystemWriter), (AiopersistReader, FileSystemReader)):
+            assert ours.validate_checkpoint_id(cid) == stock.validate_checkpoint_id(cid), (ours, cid)
+    assert not AiopersistWriter.validate_checkpoint_id("s3://bucket/ck")
+
+
 def test_an_existing_checkpoint_is_kept_unless_overwrite(backend_name: str, tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     dcp.save(_state(0), checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
