@@ -64,6 +64,7 @@ import math
 import os
 import pickle
 import pickletools
+import re
 import stat
 import struct
 import threading
@@ -587,6 +588,8 @@ class AiopersistWriter(StorageWriter):
             # An empty directory is no checkpoint: taken as FileSystemWriter takes it (a
             # tempfile.mkdtemp() named as the checkpoint), even without overwrite.
             self._into_empty = not self.overwrite and _empty_directory(self._path())
+            if self.overwrite:
+                _check_only_a_checkpoint(self._path())
             make_temp(self._path(), self.overwrite or self._into_empty, token)
             self._pending = (self._paths(), token)
         else:
@@ -732,6 +735,32 @@ def _empty_directory(path: str) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode) and not os.listdir(path)
     except OSError:
         return False
+
+
+_CHECKPOINT_NAMES = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp|" + re.escape(MANIFEST_NAME))
+"""What a DCP checkpoint directory holds, as DCP's writer or this one writes it."""
+
+
+def _check_only_a_checkpoint(path: str) -> None:
+    """Before ``overwrite=True`` replaces ``path`` whole: refuse when it holds anything a
+    checkpoint does not (a ``model.pt``, a ``config.json``, a directory), which
+    ``FileSystemWriter`` leaves beside the files it writes and the swap would delete."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise CheckpointExistsError(f"{path} exists and is not a directory")
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise from_os_error(exc, "listdir", path) from exc
+    foreign = sorted(n for n in names if not _CHECKPOINT_NAMES.fullmatch(n))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise CheckpointExistsError(
+            f"{path} holds what is no checkpoint's ({shown}): overwrite=True replaces the whole "
+            "directory and would delete it (FileSystemWriter writes beside it); save to a "
+            "directory of the checkpoint's own"
+        )
 
 
 def _remove_empty_directory(path: str) -> None:

@@ -294,6 +294,37 @@ def test_an_empty_directory_filled_during_the_save_is_kept(backend_name: str, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no temporary directory left
 
 
+def test_overwrite_never_deletes_what_is_no_checkpoints(backend_name: str, tmp_path: Path) -> None:
+    # FileSystemWriter writes beside a model.pt or a config.json in the directory; replacing
+    # the directory whole would delete them: refused, and everything kept.
+    ck = tmp_path / "ck"
+    dcp.save(_state(0), checkpoint_id=str(ck), storage_writer=FileSystemWriter(str(ck)))
+    torch.save({"x": 1}, ck / "model.pt")
+    before = sorted(p.name for p in ck.iterdir())
+    _refused(
+        lambda: dcp.save(
+            _state(1),
+            checkpoint_id=str(ck),
+            storage_writer=AiopersistWriter(overwrite=True, backend=backend_name),
+        ),
+        "model.pt",
+    )
+    from aiopersist.integrations.dcp import _wait_deletions
+
+    _wait_deletions()
+    assert sorted(p.name for p in ck.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert _same(_load(ck, AiopersistReader()), _state(0))
+    # A checkpoint alone (DCP's, or with its rank-local metadata) is replaced as before.
+    (ck / "model.pt").unlink()
+    dcp.save(
+        _state(1),
+        checkpoint_id=str(ck),
+        storage_writer=AiopersistWriter(overwrite=True, backend=backend_name),
+    )
+    assert _same(_load(ck, FileSystemReader(str(ck))), _state(1))
+
+
 @pytest.mark.root
 def test_a_full_disk_fails_the_save_and_keeps_the_old_checkpoint(backend_name: str, small_fs: Path) -> None:
     ck = small_fs / "ck"

@@ -93,7 +93,10 @@ async def test_retention_deletes_a_step_holding_adeep_tree(tmp_path: Path, backe
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, as DCP allows
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_dcp_overwrite_deletes_a_checkpoint_holding_adeep_tree(tmp_path: Path, backend: str) -> None:
+def test_a_dcp_overwrite_keeps_a_checkpoint_holding_a_deep_tree(tmp_path: Path, backend: str) -> None:
+    """A DCP checkpoint directory holding a deep tree besides the checkpoint's files:
+    overwrite=True, which replaces the directory whole, refuses rather than delete what is
+    not the checkpoint's (FileSystemWriter writes beside it); everything is kept."""
     import torch.distributed.checkpoint as dcp
 
     from aiopersist.integrations.dcp import AiopersistReader, AiopersistWriter, _wait_deletions
@@ -101,11 +104,13 @@ def test_a_dcp_overwrite_deletes_a_checkpoint_holding_adeep_tree(tmp_path: Path,
     path = tmp_path / "dcp"
     dcp.save({"w": torch.zeros(8)}, storage_writer=AiopersistWriter(path, backend=backend))
     deep_tree(path / "stuffed")
-    dcp.save({"w": torch.ones(8)}, storage_writer=AiopersistWriter(path, backend=backend, overwrite=True))
+    with pytest.raises(BaseException, match="stuffed"):  # DCP's CheckpointException wraps it
+        dcp.save({"w": torch.ones(8)}, storage_writer=AiopersistWriter(path, backend=backend, overwrite=True))
     _wait_deletions()
     back = {"w": torch.empty(8)}
     dcp.load(back, storage_reader=AiopersistReader(path, backend=backend))
-    assert torch.equal(back["w"], torch.ones(8))
+    assert torch.equal(back["w"], torch.zeros(8))
+    assert (path / "stuffed").is_dir()
     assert sorted(os.listdir(tmp_path)) == ["dcp"]
 
 
