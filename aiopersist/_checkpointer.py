@@ -219,6 +219,9 @@ class Checkpointer:
                     "a save another one runs; use on_busy='wait'"
                 )
         except Exception as exc:
+            if coord is not None and self._slots is not None:
+                async with self._slots:  # in this save's turn: after the saves in flight
+                    await fail_together(coord, given_path(path), exc)
             await fail_together(coord, given_path(path), exc)
         loop = asyncio.get_running_loop()
         start = loop.time()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import itertools
 import os
 import pickle
 import threading
@@ -80,8 +81,8 @@ class _Outcome:
     value: Any = None
     error: str | None = None
     """``"TypeName: message"`` of the exception this rank raised, or ``None``."""
-    tag: Any = None
-    """Which save and which of its exchanges this is: every rank must be at the same."""
+    tag: str = ""
+    """Which exchange this is (its number and what it is): every rank must be at the same."""
 
 
 _MAX_CATCH_UP = 8
@@ -93,7 +94,9 @@ class _Mesh:
     """The checkpoint's gloo mesh over the ranks of one group: ``rank`` of ``size``.
 
     The mesh of generation *g* is a ``ProcessGroupGloo`` made over the job's store under
-    ``aiopersist/<group>/<g>/``; the current generation is a counter in the store. A
+    ``aiopersist/<group>/<m>/<g>/``, where *m* numbers the meshes each rank has made for
+    that group (a group made again, or a world started again over the same store, never
+    meets an old mesh's keys) and the current generation is a counter in the store. A
     gather that fails (a timeout, a lost peer) moves the counter on, once however many
     ranks see the failure (compare-and-set), and every rank makes the next generation's
     mesh at its next gather: the ranks meet again there, where the broken mesh would fail
@@ -102,15 +105,24 @@ class _Mesh:
     def __init__(self, store: Any, rank: int, size: int, name: str) -> None:
         from torch.distributed import distributed_c10d as c10d
 
-        self.store = c10d.PrefixStore(f"aiopersist/{name}/", store)
+        made = int(store.add(f"aiopersist/{name}/made/{rank}", 1))
+        self.store = c10d.PrefixStore(f"aiopersist/{name}/{made}/", store)
         self.rank = rank
         self.size = size
         self._pg: Any = None
         self._generation = -1
         self._lock = threading.Lock()
-        self.given_up: list[Any] = []
+        self._close_after = False
+        self._numbers = itertools.count(1)
+        self.given_up: list[str] = []
         """The tags of the exchanges this rank gave up on (a failure, a rank at another
-        save), newest last."""
+        exchange), newest last."""
+
+    def number(self) -> int:
+        """The next exchange's number: every rank numbers the exchanges over the mesh (the
+        saves', the restores', the integrations' gathers) in the order it makes them, so
+        that ranks at different ones tell so, whatever their names."""
+        return next(self._numbers)
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (pickled), by rank. Raises ``RuntimeError`` when the mesh
@@ -118,20 +130,24 @@ class _Mesh:
         with self._lock:
             from torch.distributed import distributed_c10d as c10d
 
-            generation = int(self.store.add("generation", 0))
             try:
-                if self._pg is None or generation != self._generation:
+                generation = int(self.store.add("generation", 0))
+                try:
+                    if self._pg is None or generation != self._generation:
+                        self._close()
+                        timeout = datetime.timedelta(seconds=_knobs.dist_timeout())
+                        prefixed = c10d.PrefixStore(f"{generation}/", self.store)
+                        self._pg = c10d.ProcessGroupGloo(prefixed, self.rank, self.size, timeout)
+                        self._generation = generation
+                    return self._gather(obj)
+                except RuntimeError:
                     self._close()
-                    timeout = datetime.timedelta(seconds=_knobs.dist_timeout())
-                    prefixed = c10d.PrefixStore(f"{generation}/", self.store)
-                    self._pg = c10d.ProcessGroupGloo(prefixed, self.rank, self.size, timeout)
-                    self._generation = generation
-                return self._gather(obj)
-            except RuntimeError:
-                self._close()
-                with contextlib.suppress(RuntimeError):  # the store itself gone: rank 0 died
-                    self.store.compare_set("generation", str(generation), str(generation + 1))
-                raise
+                    with contextlib.suppress(RuntimeError):  # the store itself gone: rank 0 died
+                        self.store.compare_set("generation", str(generation), str(generation + 1))
+                    raise
+            finally:
+                if self._close_after:
+                    self._close()
 
     def _gather(self, obj: Any) -> list[Any]:
         data = pickle.dumps(obj)
@@ -153,14 +169,27 @@ class _Mesh:
                 pg.shutdown()
 
     def close(self) -> None:
-        """Shut the mesh down (its gloo threads end); a later gather makes a new one."""
-        with self._lock:
-            self._close()
+        """Shut the mesh down (its gloo threads end); a later gather makes a new one. Never
+        waits for a gather in flight (a finalizer may call this from any thread, that one
+        included): the gather shuts it down as it ends."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close()
+            finally:
+                self._lock.release()
+        else:
+            self._close_after = True
 
 
 class Coordinator:
     """The ranks of one save: ``rank`` of ``world_size``, exchanging metadata over the
-    checkpoint's gloo mesh of their group."""
+    checkpoint's gloo mesh of their group.
+
+    Every exchange over the mesh (a save's, a restore's, an integration's gather) is
+    numbered (`_Mesh.number`) and tagged: ranks at different exchanges all raise
+    `RankFailedError` rather than take each other's values. A rank still at an exchange
+    that this rank gave up on (it timed out waiting for it) is gathered again, until it
+    gives that one up in turn and comes to this one."""
 
     def __init__(self, rank: int, world_size: int, local_rank: int, mesh: _Mesh) -> None:
         self.rank = rank
@@ -168,92 +197,101 @@ class Coordinator:
         self.local_rank = local_rank
         self.mesh = mesh
 
-    def all_gather(self, obj: Any) -> list[Any]:
+    def all_gather(self, obj: Any, what: str = "a gather") -> list[Any]:
         """Every rank's ``obj``, by rank (blocking: from a worker thread, or code that is
-        not on an event loop). Raises `RankFailedError` when a rank does not come."""
-        try:
-            return self.mesh.gather(obj)
-        except RuntimeError as exc:  # gloo's timeouts and lost peers
-            raise RankFailedError(
-                f"rank {self.rank}: exchanging checkpoint metadata with the other ranks failed "
-                f"(a rank died or did not come within {_knobs.dist_timeout():.0f} s): {exc}"
-            ) from exc
+        not on an event loop). Raises `RankFailedError` when a rank does not come, or is
+        at another exchange."""
+        return self.settle(obj, None, what, what)
 
     def barrier(self) -> None:
         """Wait for every rank (blocking, as `all_gather`)."""
-        self.all_gather(None)
+        self.settle(None, None, "a barrier", "a barrier")
 
     def check_all(self, error: BaseException | None, what: str) -> None:
         """Blocking, as `all_gather`: every rank tells whether its part of ``what`` went
         through (``error``: it did not). Raises ``error`` on its rank, and
         `RankFailedError` naming the first rank that failed on the others: a rank that
         fails alone does not leave the others waiting at the next collective."""
-        text = None if error is None else f"{type(error).__name__}: {error}"
-        outcomes = self.all_gather(text)
-        if error is not None:
-            raise error
-        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
-        if failed:
-            rank, message = failed[0]
-            raise RankFailedError(f"{what} failed on rank {rank}: {message}")
+        self.settle(None, error, what, what)
 
-    async def exchange(self, value: Any, error: BaseException | None = None, tag: Any = None) -> list[Any]:
+    async def exchange(
+        self, value: Any, error: BaseException | None = None, label: Any = None, what: str = "the save"
+    ) -> list[Any]:
+        """`settle` in a worker thread: the event loop goes on writing meanwhile. A save
+        makes its exchanges one after another; concurrent saves over the same ranks are
+        not supported (a Checkpointer with several ranks runs one at a time). Awaited to
+        its end even if the caller is cancelled: a gather left running on the mesh would
+        meet the next save's."""
+        number = self.mesh.number()  # here, in the order of the calls
+        return await to_thread_to_the_end(self.settle, value, error, label, what, number)
+
+    def settle(
+        self, value: Any, error: BaseException | None, label: Any, what: str, number: int | None = None
+    ) -> list[Any]:
         """Every rank's ``value``, by rank. If any rank reports an error (``error`` here),
-        every rank raises: this rank its own ``error``, the others `RankFailedError`.
-        ``tag`` names the save and the exchange: ranks at different ones (one retried
-        another save after failing alone, or was cancelled) all raise `RankFailedError`
-        rather than take each other's values."""
+        every rank raises: this rank its own ``error``, the others `RankFailedError` naming
+        it (``what`` failed on rank ...). ``label`` says what this exchange is (a save's
+        name and its place in it)."""
+        tag = repr((self.mesh.number() if number is None else number, label))
         text = None if error is None else f"{type(error).__name__}: {error}"
         outcome = _Outcome(self.rank, None if error is not None else value, text, tag)
-        # In a worker thread: the event loop goes on writing meanwhile. A save makes its
-        # exchanges one after another; concurrent saves over the same ranks are not
-        # supported (a Checkpointer with several ranks runs one at a time). Awaited to its
-        # end even if the caller is cancelled: a gather left running on the mesh would
-        # meet the next save's.
         try:
-            gathered = await to_thread_to_the_end(self._gather_in_step, outcome)
+            gathered = self._gather_in_step(outcome)
         except BaseException:
             self._give_up(tag)
             raise
-        # Every rank raises unless all are at the same exchange and none failed; a failure
-        # is named first (also one at another save: a rank whose path was what failed).
-        tags = {repr(o.tag) for o in gathered}
-        if error is not None or len(tags) > 1 or any(o.error is not None for o in gathered):
+        tags = {o.tag for o in gathered}
+        failed = [o for o in gathered if o.error is not None]
+        if error is not None or failed or len(tags) > 1:
             self._give_up(tag)
+        # A failure is named first (also one at another exchange: a rank whose path was
+        # what failed); then ranks at different exchanges.
         if error is not None:
             raise error
-        failed = [o for o in gathered if o.error is not None]
         if failed:
             first = failed[0]
             raise RankFailedError(
-                f"the save failed on rank {first.rank}: {first.error}"
+                f"{what} failed on rank {first.rank}: {first.error}"
                 + (f" (and on {len(failed) - 1} more ranks)" if len(failed) > 1 else "")
             )
         if len(tags) > 1:
             raise RankFailedError(
-                "the ranks are not at the same save: "
-                + ", ".join(f"rank {o.rank} at {o.tag!r}" for o in gathered)
-                + " (a rank failed, was late or was cancelled alone, then saved again)"
+                "the ranks are not at the same save or exchange: "
+                + ", ".join(f"rank {o.rank} at {o.tag}" for o in gathered)
+                + " (a rank failed, was late or was cancelled alone, then went on)"
             )
         return [o.value for o in gathered]
 
-    def _give_up(self, tag: Any) -> None:
+    def _give_up(self, tag: str) -> None:
         given_up = self.mesh.given_up
-        given_up.append(repr(tag))
+        given_up.append(tag)
         del given_up[:-_MAX_CATCH_UP]
 
     def _gather_in_step(self, outcome: _Outcome) -> list[_Outcome]:
         """Gather ``outcome``; gathered again while some ranks are still at exchanges this
-        rank gave up on (and no rank is ahead of it): those ranks fail theirs meanwhile
-        (at another save than this rank) and come to this one next. A rank that timed out
-        waiting for a late one would otherwise meet it one save behind, at every save."""
-        mine = repr(outcome.tag)
+        rank gave up on: those ranks fail theirs meanwhile (at another exchange than this
+        rank) and come to this one next. A rank that timed out waiting for a late one
+        would otherwise meet it one exchange behind, at every save."""
         for _ in range(_MAX_CATCH_UP):
-            gathered: list[_Outcome] = self.all_gather(outcome)
-            behind = {repr(o.tag) for o in gathered} - {mine}
+            try:
+                raw = self.mesh.gather(outcome)
+            except RuntimeError as exc:  # gloo's timeouts and lost peers
+                raise RankFailedError(
+                    f"rank {self.rank}: exchanging checkpoint metadata with the other ranks failed "
+                    f"(a rank died or did not come within {_knobs.dist_timeout():.0f} s): {exc}"
+                ) from exc
+            gathered = [
+                o if isinstance(o, _Outcome) else _Outcome(r, None, None, f"another ({type(o).__name__})")
+                for r, o in enumerate(raw)
+            ]
+            behind = {o.tag for o in gathered} - {outcome.tag}
             if not behind or not behind <= set(self.mesh.given_up):
                 return gathered
         return gathered
+
+
+_lock = threading.Lock()
+"""Held while a group's mesh is looked up or made."""
 
 
 def coordinator(group: Any = None) -> Coordinator | None:
@@ -267,26 +305,40 @@ def coordinator(group: Any = None) -> Coordinator | None:
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
+    if world < 0:
+        raise ValueError(f"group=: this process (rank {dist.get_rank()}) is not a member of {group}")
     if world <= 1:
         return None
     key = id(group) if group is not None else None
     world_group = dist.group.WORLD
-    entry = _groups.get(key)
-    mesh = None
-    if entry is not None and entry[0]() is world_group and entry[1]() is group:
-        mesh = entry[2]
-    if mesh is None:
-        if entry is not None:
-            entry[2].close()  # of a world that is gone
-        name = "world" if group is None else f"group-{group.group_name}"
-        mesh = _Mesh(dist.distributed_c10d._get_default_store(), dist.get_rank(group), world, name)
-        # Shut down with the world, whose groups torch destroys at destroy_process_group():
-        # gloo threads left running into interpreter shutdown can abort the process.
-        weakref.finalize(world_group, mesh.close)
-        _groups[key] = (_weak(world_group), _weak(group), mesh)
+    with _lock:
+        entry = _groups.get(key)
+        mesh = None
+        if entry is not None and entry[0]() is world_group and entry[1]() is group:
+            mesh = entry[2]
+        if mesh is None:
+            if entry is not None:
+                entry[2].close()  # of a world or group that is gone
+            name = "world" if group is None else f"group-{group.group_name}"
+            mesh = _Mesh(dist.distributed_c10d._get_default_store(), dist.get_rank(group), world, name)
+            # Shut down with its group: torch lets go of the groups at destroy_process_group()
+            # (gloo threads left running into interpreter shutdown can abort the process).
+            weakref.finalize(world_group, mesh.close)
+            if group is not None:
+                weakref.finalize(group, _forget, key, mesh)
+            _groups[key] = (_weak(world_group), _weak(group), mesh)
     rank = dist.get_rank(group)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     return Coordinator(rank, world, local_rank, mesh)
+
+
+def _forget(key: object, mesh: _Mesh) -> None:
+    """A subgroup is gone: its mesh is shut down and forgotten."""
+    mesh.close()
+    with _lock:
+        entry = _groups.get(key)
+        if entry is not None and entry[2] is mesh:
+            del _groups[key]
 
 
 _derived_groups: dict[tuple[object, str], tuple[Callable[[], Any], Callable[[], Any]]] = {}

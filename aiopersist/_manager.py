@@ -673,8 +673,12 @@ class CheckpointManager:
                 )
         except Exception as exc:
             # With several ranks the others are told at the save's first exchange, rather
-            # than wait there for this rank until AIOPERSIST_DIST_TIMEOUT.
-            await fail_together(coordinator(group), os.path.join(self.directory, f"step-{step}"), exc)
+            # than wait there for this rank until AIOPERSIST_DIST_TIMEOUT: in this save's
+            # turn, once the saves in flight are over (their exchanges come first).
+            coord = coordinator(group)
+            if coord is not None:
+                await self.checkpointer.wait()
+            await fail_together(coord, os.path.join(self.directory, f"step-{step}"), exc)
         loop = asyncio.get_running_loop()
         paths = [os.path.join(d, step_name(step)) for d in self.directories]
         meta = {**(metadata or {}), "step": str(step)}
@@ -851,7 +855,7 @@ class CheckpointManager:
                 return [value]
             rounds += 1
             return await coord.exchange(
-                value, error, tag=("restore", os.path.basename(self.directory), rounds)
+                value, error, ("restore", os.path.basename(self.directory), rounds), "the restore"
             )
 
         found: list[StepInfo] = []

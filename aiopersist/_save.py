@@ -464,9 +464,9 @@ async def flatten_off_loop(
         return exc
 
 
-def exchange_tag(final: str, n: int) -> tuple[str, int]:
-    """What names the ``n``-th exchange of the save to ``final``: every rank must be at the
-    same one (see `Coordinator.exchange`)."""
+def exchange_label(final: str, n: int) -> tuple[str, int]:
+    """What the ``n``-th exchange of the save to ``final`` is, in its tag (see
+    `Coordinator`)."""
     return (os.path.basename(final), n)
 
 
@@ -489,7 +489,7 @@ async def fail_together(coord: Coordinator | None, final: str, error: Exception)
     telling them fails too, ``error`` is raised all the same, with a note saying so."""
     if coord is not None:
         try:
-            await coord.exchange(None, error, tag=exchange_tag(final, 1))
+            await coord.exchange(None, error, exchange_label(final, 1))
         except Exception as exc:
             if exc is not error:
                 error.add_note(f"aiopersist: telling the other ranks of this failure failed too: {exc}")
@@ -631,7 +631,7 @@ async def save_state(
                 raise error
             return [value]
         exchanges += 1  # every rank must be at this save (by its name) and this exchange
-        return await coord.exchange(value, error, tag=exchange_tag(final, exchanges))
+        return await coord.exchange(value, error, exchange_label(final, exchanges))
 
     # 1. describe, and (rank 0) claim the temporary directory.
     desc: RankDesc | None = None
@@ -757,7 +757,8 @@ async def _write_mine(
         needed[f.directory] += f.layout.data_offset + f.layout.data_bytes
     if pickled is not None:
         needed[0] += len(pickled)
-    needed[0] += sum(len(c) for c in additions.values() if isinstance(c, bytes | bytearray | memoryview))
+    if additions:
+        needed[0] += sum(len(c) for c in additions.values() if isinstance(c, bytes | bytearray | memoryview))
     if _knobs.space_check_enabled():
         for d, n in needed.items():
             await asyncio.to_thread(check_room, dirs[d], n, "save")

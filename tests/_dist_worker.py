@@ -226,25 +226,98 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         except Exception as exc:
             outcome["second"] = f"{type(exc).__name__}: {exc}"
         return outcome
-    if name == "late-rank":
+    if name in ("late-rank", "late-rank-one-name", "late-rank-barrier"):
         # Rank 1 comes to save A after rank 0 gave up waiting for it (a timeout breaks the
         # gloo mesh for good: the old code failed every later save on both ranks). The mesh
-        # is replaced, rank 1's late A meets rank 0's B and fails (another save), rank 0
-        # gathers again, and from B on the ranks save together.
-        state = {"w": torch.ones(1000)}
+        # is replaced, rank 1's late A meets rank 0's next exchange and fails (another
+        # one), rank 0 gathers again, and from then on the ranks go on together. With one
+        # name for every save (overwrite=True), the late A must not pass for rank 0's B:
+        # each checkpoint holds one save's values. With a barrier after A (as the Trainer
+        # callback's), rank 0's barrier must wait for rank 1's.
+        from aiopersist._dist import coordinator
+
         store = dist.distributed_c10d._get_default_store()
         outcome = {}
-        await aiopersist.save(state, paths[0] + "-Z", backend=backend)  # the mesh is made
+        await aiopersist.save({"w": torch.ones(1000)}, paths[0] + "-Z", backend=backend)  # the mesh is made
         if rank == 1:
             await asyncio.to_thread(store.wait, ["rank 0 gave up"])
-        for save in ("A", "B", "C"):
+        for value, save in enumerate(("A", "B", "C"), 1):
+            state = {"a": torch.full((1000,), float(value)), "b": torch.full((1000,), float(value))}
+            target = paths[0] + ("-X" if name == "late-rank-one-name" else "-" + save)
             try:
-                await aiopersist.save(state, paths[0] + "-" + save, backend=backend)
-                outcome[save] = "ok"
+                await aiopersist.save(state, target, backend=backend, replicated=True, overwrite=True)
+                back = await aiopersist.load(target, backend=backend)
+                held = {float(back["a"][0]), float(back["b"][0])}
+                outcome[save] = "ok" if held == {float(value)} else f"holds {sorted(held)}"
             except Exception as exc:
                 outcome[save] = f"{type(exc).__name__}: {exc}"
             if rank == 0 and save == "A":
                 store.set("rank 0 gave up", "")
+            if name == "late-rank-barrier" and save == "A":
+                coord = coordinator()
+                assert coord is not None
+                if rank == 1:
+                    store.set("rank 1 at the barrier", "")
+                try:
+                    await asyncio.to_thread(coord.barrier)
+                    outcome["barrier"] = "ok"
+                except Exception as exc:
+                    outcome["barrier"] = f"{type(exc).__name__}: {exc}"
+                if rank == 0:
+                    outcome["rank 1 at the barrier"] = store.check(["rank 1 at the barrier"])
+        return outcome
+    if name == "reinit-same-store":
+        # A job that starts its world again over the same store (init_process_group(store=)):
+        # the checkpoint's mesh of the new world never meets the old one's rendezvous keys
+        # (the old code failed the first save of a new world, now and then).
+        store = dist.distributed_c10d._get_default_store()  # kept: the new worlds use it
+        dist.destroy_process_group()
+        results = []
+        for i in range(3):
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+            try:
+                await aiopersist.save({"w": torch.ones(100)}, f"{paths[0]}-{i}", backend=backend)
+                results.append("ok")
+            except Exception as exc:
+                results.append(f"{type(exc).__name__}: {exc}")
+            dist.destroy_process_group()
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)  # for main()'s end
+        return {"saves": results}
+    if name == "subgroups-come-and-go":
+        # A subgroup made, saved through and destroyed, again and again: the checkpoint's
+        # mesh of each goes with it (the old code kept every one, and its gloo threads,
+        # until the world ended), and a group made again under the same name never meets
+        # an old mesh's rendezvous.
+        import gc
+
+        counts = []
+        for i in range(3):
+            group = dist.new_group([0, 1], backend="gloo")
+            await aiopersist.save({"w": torch.ones(100)}, f"{paths[0]}-{i}", backend=backend, group=group)
+            dist.destroy_process_group(group)
+            del group
+            gc.collect()
+            counts.append(len(gloo_threads()))
+        return {"gloo threads": counts}
+    if name == "while-saving-early":
+        # Save 1 is in flight when rank 1 alone refuses save 2's arguments: its failure is
+        # told in save 2's turn, after save 1's exchanges, and save 1 commits everywhere
+        # (the old code paired it with save 1's first exchange and both saves failed).
+        outcome = {}
+        async with aiopersist.Checkpointer(backend=backend) as ck:
+            first = await ck.save({"w": torch.ones(1 << 20)}, [p + "-1" for p in paths], replicated=True)
+            second = [p + "-2" for p in paths]
+            try:
+                handle = await ck.save({"w": torch.ones(10)}, [second[0]] * 2 if rank == 1 else second)
+                await handle.done
+                outcome["second"] = "ok"
+            except Exception as exc:
+                outcome["second"] = f"{type(exc).__name__}: {exc}"
+            try:
+                await first.done
+                outcome["first"] = "ok"
+            except Exception as exc:
+                outcome["first"] = f"{type(exc).__name__}: {exc}"
         return outcome
     if name == "other-save":
         # Rank 1 is at another save than rank 0 (it failed alone before its exchanges and

@@ -309,18 +309,50 @@ def test_a_rank_s_restore_error_fails_every_rank(tmp_path: Path, backend: str) -
     assert "rank 1" in outs[0]["message"], outs
 
 
+@pytest.mark.parametrize("variant", ["late-rank", "late-rank-one-name", "late-rank-barrier"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_saves_go_on_after_a_rank_was_late(tmp_path: Path, backend: str) -> None:
+def test_saves_go_on_after_a_rank_was_late(tmp_path: Path, backend: str, variant: str) -> None:
     """Rank 0 times out waiting for rank 1 at save A: the next saves of both ranks work
-    again (the old code's gloo group stayed broken: every later save failed)."""
-    outs = run_ranks("late-rank", tmp_path, backend, AIOPERSIST_DIST_TIMEOUT="10")
+    again (the old code's gloo group stayed broken: every later save failed); with one
+    name for every save, no checkpoint mixes two saves' values (each exchange is numbered,
+    not only named); a barrier after A waits for the late rank (it passed alone)."""
+    outs = run_ranks(variant, tmp_path, backend, AIOPERSIST_DIST_TIMEOUT="10")
     assert [o["rc"] for o in outs] == [0, 0], outs
     first, second = outs[0]["ok"], outs[1]["ok"]
     assert first["A"].startswith("RankFailedError: rank 0: exchanging checkpoint metadata"), outs
     assert second["A"].startswith("RankFailedError: the ranks are not at the same save"), outs
     assert first["B"] == first["C"] == second["B"] == second["C"] == "ok", outs
-    assert not (tmp_path / "a" / "ck-A").exists()
-    assert (tmp_path / "a" / "ck-C").is_dir()
+    if variant == "late-rank-barrier":
+        assert first["barrier"] == second["barrier"] == "ok", outs
+        assert first["rank 1 at the barrier"] is True, outs
+    if variant != "late-rank-one-name":
+        assert not (tmp_path / "a" / "ck-A").exists()
+        assert (tmp_path / "a" / "ck-C").is_dir()
+
+
+def test_a_world_started_again_over_the_same_store_saves(tmp_path: Path) -> None:
+    outs = run_ranks("reinit-same-store", tmp_path, "threads", AIOPERSIST_DIST_TIMEOUT="20")
+    assert [o["rc"] for o in outs] == [0, 0], outs
+    assert [o["ok"]["saves"] for o in outs] == [["ok"] * 3] * 2, outs
+
+
+def test_a_subgroup_s_mesh_goes_with_it(tmp_path: Path) -> None:
+    outs = run_ranks("subgroups-come-and-go", tmp_path, "threads")
+    assert [o["rc"] for o in outs] == [0, 0], outs
+    for out in outs:
+        counts = out["ok"]["gloo threads"]
+        assert counts[-1] <= counts[0], outs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_early_failure_is_told_after_the_save_in_flight(tmp_path: Path, backend: str) -> None:
+    outs = run_ranks("while-saving-early", tmp_path, backend, AIOPERSIST_DIST_TIMEOUT="30")
+    assert [o["rc"] for o in outs] == [0, 0], outs
+    assert outs[0]["ok"]["first"] == outs[1]["ok"]["first"] == "ok", outs
+    assert outs[1]["ok"]["second"].startswith("ValueError: path: the same directory"), outs
+    assert outs[0]["ok"]["second"].startswith("RankFailedError: the save failed on rank 1: ValueError"), outs
+    assert (tmp_path / "a" / "ck-1").is_dir()
+    assert not (tmp_path / "a" / "ck-2").exists()
 
 
 EARLY = {
