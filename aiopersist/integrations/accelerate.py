@@ -90,15 +90,35 @@ log = logging.getLogger("aiopersist")
 
 
 def _rng_states(step: int) -> dict[str, Any]:
-    """What Accelerate's ``save_accelerator_state`` writes to ``random_states_<rank>.pkl``."""
+    """What Accelerate's ``save_accelerator_state`` writes to ``random_states_<rank>.pkl``:
+    the host's generators, and those of every accelerator kind that Accelerate finds here
+    (by its own tests, under its own keys: ``load_state`` restores each kind it finds)."""
+    from accelerate import utils  # type: ignore[import-untyped]
+
     states: dict[str, Any] = {
         "step": step,
         "random_state": random.getstate(),
         "numpy_random_seed": np.random.get_state(),
         "torch_manual_seed": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+
+    def devices(kind: str) -> Any:
+        return getattr(torch, kind).get_rng_state_all()
+
+    if utils.is_xpu_available():
+        states["torch_xpu_manual_seed"] = devices("xpu")
+    # One of these three at most, in this order, as Accelerate takes them.
+    for kind in ("mlu", "sdaa", "musa"):
+        if getattr(utils, f"is_{kind}_available")():
+            states[f"torch_{kind}_manual_seed"] = devices(kind)
+            break
+    for kind in ("hpu", "neuron", "cuda"):
+        if getattr(utils, f"is_{kind}_available")():
+            states[f"torch_{kind}_manual_seed"] = devices(kind)
+    if utils.is_torch_xla_available():
+        import torch_xla.core.xla_model as xm  # type: ignore[import-not-found]
+
+        states["xm_seed"] = xm.get_rng_state()
     return states
 
 
