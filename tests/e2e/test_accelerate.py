@@ -486,19 +486,25 @@ def test_automatic_checkpoint_naming_and_total_limit_as_stock(tmp_path: Path, ba
     _assert_restored(model, opt, saved)
 
 
-def test_save_state_under_accelerate_launch_two_processes(tmp_path: Path) -> None:
+def _launch(tmp_path: Path, mode: str, **env: str) -> list[dict[str, Any]]:
+    """``tests._accelerate_worker`` in ``mode`` under ``accelerate launch`` (two processes
+    on CPU): each process's JSON line, by rank."""
     accelerate = Path(sys.executable).parent / "accelerate"
     proc = subprocess.run(
         [
             str(accelerate), "launch", "--config_file", str(CONFIG), "--main_process_port", str(_free_port()),
-            "-m", "tests._accelerate_worker", str(tmp_path), "save-state",
+            "-m", "tests._accelerate_worker", str(tmp_path), mode,
         ],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env={**os.environ, **env},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    outs = sorted(
+    return sorted(
         (json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")), key=lambda o: o["rank"]
     )
+
+
+def test_save_state_under_accelerate_launch_two_processes(tmp_path: Path) -> None:
+    outs = _launch(tmp_path, "save-state")
     assert [o["rank"] for o in outs] == [0, 1]
     assert all(o["restored"] for o in outs)
     names = set(os.listdir(tmp_path / "ck"))
@@ -513,18 +519,7 @@ def test_save_state_into_a_directory_per_process_writes_each_as_stock(tmp_path: 
     a ``tempfile.TemporaryDirectory()`` made on each does): ``save_state`` writes into
     each what its process writes, its RNG state and its hook's file (process 0 the rest),
     and each process's ``load_state`` of its own directory brings back its RNG state."""
-    accelerate = Path(sys.executable).parent / "accelerate"
-    proc = subprocess.run(
-        [
-            str(accelerate), "launch", "--config_file", str(CONFIG), "--main_process_port", str(_free_port()),
-            "-m", "tests._accelerate_worker", str(tmp_path), "own-directories",
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    outs = sorted(
-        (json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")), key=lambda o: o["rank"]
-    )
+    outs = _launch(tmp_path, "own-directories")
     assert outs == [{"rank": 0, "restored": True}, {"rank": 1, "restored": True}]
     for rank in (0, 1):
         assert _tree(tmp_path / f"ours-{rank}") - {"aiopersist.json"} == _tree(tmp_path / f"stock-{rank}")
@@ -538,19 +533,7 @@ def test_a_process_whose_directory_is_taken_fails_every_process_at_once(tmp_path
     RankFailedError naming it (the old code left rank 0 waiting for rank 1 in a gather
     until AIOPERSIST_DIST_TIMEOUT, here 60 s, then failing with another message), nothing
     of rank 1's is touched, and the next save_state works on both."""
-    accelerate = Path(sys.executable).parent / "accelerate"
-    proc = subprocess.run(
-        [
-            str(accelerate), "launch", "--config_file", str(CONFIG), "--main_process_port", str(_free_port()),
-            "-m", "tests._accelerate_worker", str(tmp_path), "one-directory-taken",
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
-        env={**os.environ, "AIOPERSIST_DIST_TIMEOUT": "60"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    outs = sorted(
-        (json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")), key=lambda o: o["rank"]
-    )
+    outs = _launch(tmp_path, "one-directory-taken", AIOPERSIST_DIST_TIMEOUT="60")
     assert outs[1]["first"].startswith("CheckpointExistsError:"), outs
     assert outs[0]["first"].startswith(
         "RankFailedError: save_state failed on rank 1: CheckpointExistsError"

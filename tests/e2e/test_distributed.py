@@ -406,7 +406,9 @@ def test_a_cancelled_save_s_exchange_ends_before_the_next_save_s(tmp_path: Path,
     outs = run_ranks("cancel-then-save", tmp_path, backend)
     assert [o["rc"] for o in outs] == [0, 0], outs
     assert outs[0]["ok"] == {"first": "TimeoutError", "second": "RankFailedError"}, outs
-    assert outs[1]["ok"] == {"first": "RankFailedError"}, outs
+    # Rank 1 fails its save: at the exchange where it meets rank 0's next save, or before,
+    # writing into the temporary directory that rank 0 removed when it gave up.
+    assert outs[1]["ok"]["first"] in ("RankFailedError", "CheckpointIOError"), outs
     assert not (tmp_path / "a" / "ck").exists()
     assert not (tmp_path / "a" / "ck2").exists()
 

@@ -7,8 +7,9 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -490,13 +491,27 @@ async def test_snapshot_budget_counts_the_torch_save_extra_files(tmp_path: Path)
         await (await ck.save({"w": torch.ones(16)}, tmp_path / "d")).done
 
 
-async def test_cancelling_a_snapshot_copy_waits_for_it(backend_name: str, tmp_path: Path) -> None:
+async def test_cancelling_a_snapshot_copy_waits_for_it(
+    backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Cancelled while its copy runs (in a thread, which cannot be interrupted), a
     snapshot save ends only once the copy is over: its memory is then free to reuse."""
+    from aiopersist import _checkpointer
+
+    copying = threading.Event()
+    real = _checkpointer._copy_all
+
+    def copy_all(*args: Any, **kwargs: Any) -> None:
+        copying.set()
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(_checkpointer, "_copy_all", copy_all)
     source = torch.randn(64 << 20)  # 256 MiB to copy
     async with aiopersist.Checkpointer(backend=backend_name, mode="snapshot") as ck:
         handle = await ck.save({"t": source}, tmp_path / "c")
-        await asyncio.sleep(0.005)  # the save's task has started its copy
+        # The save's task has started its copy (a fixed sleep was not always enough under
+        # load: cancelled while its memory was still being mapped, the save drops it).
+        assert await asyncio.to_thread(copying.wait, 60)
         for task in list(ck._tasks):
             task.cancel()
         with pytest.raises(asyncio.CancelledError):
