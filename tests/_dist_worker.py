@@ -180,6 +180,10 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
             state["bad"] = object()
         await aiopersist.save(state, paths, replicated=True, backend=backend)
         return {}
+    if name == "early":
+        # Every kind below, one after the other, in one pair of processes.
+        kinds = ("metadata", "path", "backend", "snapshot", "closed", "manager")
+        return {k: await scenario(f"early-{k}", rank, world, os.path.join(base, k), backend) for k in kinds}
     if name.startswith("early-"):
         # Rank 1 fails before its save's first exchange (an argument, the backend, the
         # snapshot budget, a closed Checkpointer or manager): rank 0, already waiting there,
