@@ -220,6 +220,7 @@ class AioPersistCallback(TrainerCallback):
         self.mode = mode
         self.snapshot_bytes = snapshot_bytes
         self.durable_on_save = durable_on_save
+        self._said_durable = False
         self._ckpt: BlockingCheckpointer | None = None
         self._sharded: ShardedSaver | None = None
         """Under FSDP: writes every rank's shards (see `_fsdp`)."""
@@ -467,7 +468,16 @@ class AioPersistCallback(TrainerCallback):
         if self.durable_on_save is not None:
             return self.durable_on_save
         others = [cb for cb in trainer.callback_handler.callbacks if cb is not self]
-        return any(reads_checkpoint_on_save(cb) for cb in others)
+        readers = [type(cb).__name__ for cb in others if reads_checkpoint_on_save(cb)]
+        if readers and not self._said_durable:
+            self._said_durable = True
+            log.warning(
+                "aiopersist: %s.on_save may read the checkpoint, so each save is waited for before it "
+                "(it does not overlap the next step); pass AioPersistCallback(durable_on_save=False) "
+                "if it does not read checkpoint-N",
+                ", ".join(readers),
+            )
+        return bool(readers)
 
     def _jit_checkpoint(self, trainer: Trainer, manager: Any) -> None:
         """``CheckpointManager.execute_jit_checkpoint`` (``enable_jit_checkpoint``), taken

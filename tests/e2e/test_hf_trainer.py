@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import threading
 import time
@@ -357,17 +358,24 @@ class _ReadsOnSave(transformers.TrainerCallback):  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_other_callbacks_on_save_find_the_checkpoint_complete_as_stock(tmp_path: Path, backend: str) -> None:
+def test_other_callbacks_on_save_find_the_checkpoint_complete_as_stock(
+    tmp_path: Path, backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """A callback whose ``on_save`` reads the checkpoint (uploads it, copies it, logs it as
     an artifact, as the W&B, MLflow, Neptune, ClearML, Flyte and DVCLive integrations can)
-    finds it complete and rotated, as after a stock save."""
+    finds it complete and rotated, as after a stock save. The callback says once, naming
+    it, that the saves are waited for because of it."""
     seen = {}
     for name, extra in (("stock", []), ("ours", [AioPersistCallback(backend=backend)])):
         reader = _ReadsOnSave()
-        _trainer(tmp_path / name, [*extra, reader], save_total_limit=1).train()
+        with caplog.at_level(logging.WARNING, logger="aiopersist"):
+            _trainer(tmp_path / name, [*extra, reader], save_total_limit=1).train()
         seen[name] = reader.seen
     assert [s[0] for s in seen["stock"]] == [2, 4, 6, 8]
     assert seen["ours"] == seen["stock"]
+    said = [r.getMessage() for r in caplog.records if "durable_on_save=False" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "_ReadsOnSave.on_save" in said[0], said
 
 
 def test_reads_checkpoint_on_save_tells_which_callbacks_may_read_it() -> None:
