@@ -294,6 +294,14 @@ class AioPersistCallback(TrainerCallback):
                 "AioPersistCallback cannot be used with DeepSpeed: its optimizer step runs inside "
                 "backward(), so there is no point before it where the fence could be waited on"
             )
+        if fsdp is None and _has_dtensor_parameters(trainer.model):
+            # Tensor parallelism (a model loaded with tp_plan, or sharded by hand): the stock
+            # save gathers the full tensors on every process first; this callback writes
+            # process 0's state dict and would save local shards for whole tensors.
+            raise ValueError(
+                "AioPersistCallback does not save tensor-parallel (DTensor) parameters outside "
+                "FSDP; this model has some: use the stock save"
+            )
         if type(trainer)._save_checkpoint is not Trainer._save_checkpoint:
             raise ValueError(
                 f"AioPersistCallback replaces Trainer._save_checkpoint, which {type(trainer).__name__} "
@@ -666,6 +674,14 @@ def _remove_leftovers(run_dir: str) -> None:
             path = os.path.join(run_dir, name)
             log.info("aiopersist: removing %s, left by an interrupted save or deletion", path)
             remove_path(path)
+
+
+def _has_dtensor_parameters(model: Any) -> bool:
+    """Whether any of ``model``'s parameters is a DTensor (tensor parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    params = getattr(model, "parameters", None)
+    return callable(params) and any(isinstance(p, DTensor) for p in params())
 
 
 def _fsdp_plugin(trainer: Trainer) -> Any:

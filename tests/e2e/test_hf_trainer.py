@@ -848,6 +848,47 @@ def test_callback_refuses_a_trainer_with_its_own_checkpoint_save(tmp_path: Path)
         trainer.train()
 
 
+_TENSOR_PARALLEL = """
+import os, sys
+sys.path.insert(0, {root!r})
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from tests.e2e.test_hf_trainer import AioPersistCallback, _trainer
+from pathlib import Path
+
+dist.init_process_group("gloo", init_method="file://" + {store!r}, rank=0, world_size=1)
+trainer = _trainer(Path({out!r}), [AioPersistCallback(backend="threads")])
+mesh = init_device_mesh("cpu", (1,))
+layer = trainer.model.lm_head
+layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
+try:
+    trainer.train()
+except ValueError as exc:
+    print("refused:", exc)
+dist.destroy_process_group()
+"""
+
+
+def test_callback_refuses_tensor_parallel_parameters(tmp_path: Path) -> None:
+    """A model with DTensor parameters outside FSDP (tensor parallelism, as a model loaded
+    with ``tp_plan``): the stock save gathers whole tensors, the callback would write
+    local shards for them. Refused before any step, nothing written. (This model, its
+    head alone sharded, would fail in its forward anyway: a real one converts its inputs
+    with hooks. The test checks the refusal, not what the old callback wrote.)"""
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[2])
+    code = _TENSOR_PARALLEL.format(root=root, store=str(tmp_path / "store"), out=str(tmp_path / "run"))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=False, cwd=root
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: AioPersistCallback does not save tensor-parallel (DTensor) parameters" in proc.stdout
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("checkpoint-*"))
+
+
 _TRAIN = """
 import sys
 sys.path.insert(0, {root!r})
