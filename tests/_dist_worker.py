@@ -270,23 +270,6 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
                 if rank == 0:
                     outcome["rank 1 at the barrier"] = store.check(["rank 1 at the barrier"])
         return outcome
-    if name == "reinit-same-store":
-        # A job that starts its world again over the same store (init_process_group(store=)):
-        # the checkpoint's mesh of the new world never meets the old one's rendezvous keys
-        # (the old code failed the first save of a new world, now and then).
-        store = dist.distributed_c10d._get_default_store()  # kept: the new worlds use it
-        dist.destroy_process_group()
-        results = []
-        for i in range(3):
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-            try:
-                await aiopersist.save({"w": torch.ones(100)}, f"{paths[0]}-{i}", backend=backend)
-                results.append("ok")
-            except Exception as exc:
-                results.append(f"{type(exc).__name__}: {exc}")
-            dist.destroy_process_group()
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)  # for main()'s end
-        return {"saves": results}
     if name == "subgroups-come-and-go":
         # A subgroup made, saved through and destroyed, again and again: the checkpoint's
         # mesh of each goes with it (the old code kept every one, and its gloo threads,

@@ -331,12 +331,6 @@ def test_saves_go_on_after_a_rank_was_late(tmp_path: Path, variant: str) -> None
         assert (tmp_path / "a" / "ck-C").is_dir()
 
 
-def test_a_world_started_again_over_the_same_store_saves(tmp_path: Path) -> None:
-    outs = run_ranks("reinit-same-store", tmp_path, "threads", AIOPERSIST_DIST_TIMEOUT="20")
-    assert [o["rc"] for o in outs] == [0, 0], outs
-    assert [o["ok"]["saves"] for o in outs] == [["ok"] * 3] * 2, outs
-
-
 def test_a_subgroup_s_mesh_goes_with_it(tmp_path: Path) -> None:
     outs = run_ranks("subgroups-come-and-go", tmp_path, "threads")
     assert [o["rc"] for o in outs] == [0, 0], outs
