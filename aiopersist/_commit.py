@@ -24,6 +24,7 @@ from typing import TypeVar, cast
 
 from ._exceptions import CheckpointExistsError, DiskFullError, from_os_error, io_error
 from ._names import OLD_MARKER, beside, is_work_place, temp_path
+from ._units import human
 
 T = TypeVar("T")
 
@@ -41,11 +42,12 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
-def check_room(directory: str, needed: int, call: str) -> None:
+def check_room(directory: str, needed: int, call: str, filename: str | None = None, detail: str = "") -> None:
     """`DiskFullError` (``ENOSPC``) when the file system of ``directory`` has fewer free
     bytes than ``needed``: said before anything is written, rather than after writing
     until it is full (a view of a few bytes may claim terabytes, written in full). What
-    others write meanwhile is still caught when it happens."""
+    others write meanwhile is still caught when it happens. ``filename`` (``directory``
+    by default) is named in the error, ``detail`` said in its message."""
     try:
         st = os.statvfs(directory)
     except OSError as exc:
@@ -54,8 +56,9 @@ def check_room(directory: str, needed: int, call: str) -> None:
     if needed > free:
         raise DiskFullError(
             errno.ENOSPC,
-            f"{needed} bytes to write, {free} free on its file system; nothing was written",
-            directory,
+            f"writing it needs {needed} bytes ({human(needed)}), its file system has {free} "
+            f"({human(free)}) free; {detail + '; ' if detail else ''}nothing was written",
+            filename if filename is not None else directory,
             call=call,
         )
 

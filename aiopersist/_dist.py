@@ -290,6 +290,26 @@ class Coordinator:
         return gathered
 
 
+class Exchanges:
+    """The exchanges of one save or restore, in order: ``await exchanges(value, error)``
+    is `Coordinator.exchange` labelled ``(*name, n)`` for the ``n``-th; with no
+    coordinator (one process) it returns ``[value]``, or raises ``error``."""
+
+    def __init__(self, coord: Coordinator | None, name: tuple[Any, ...], what: str = "the save") -> None:
+        self.coord = coord
+        self.name = name
+        self.what = what
+        self.count = 0
+
+    async def __call__(self, value: Any, error: BaseException | None = None) -> list[Any]:
+        if self.coord is None:
+            if error is not None:
+                raise error
+            return [value]
+        self.count += 1
+        return await self.coord.exchange(value, error, (*self.name, self.count), self.what)
+
+
 _lock = threading.Lock()
 """Held while a group's mesh is looked up or made."""
 

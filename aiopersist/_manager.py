@@ -59,7 +59,7 @@ from ._commit import (
     release_work_place,
     remove_path,
 )
-from ._dist import coordinator
+from ._dist import Exchanges, coordinator
 from ._exceptions import (
     AiopersistError,
     CheckpointCorruptError,
@@ -845,18 +845,7 @@ class CheckpointManager:
             await self.checkpointer.wait()
         backend = kwargs.pop("backend", self._backend)
         tiers = self.directory + (f" or {self.mirror}" if self.mirror else "")
-        rounds = 0
-
-        async def agree(value: Any, error: BaseException | None = None) -> list[Any]:
-            nonlocal rounds
-            if coord is None:
-                if error is not None:
-                    raise error
-                return [value]
-            rounds += 1
-            return await coord.exchange(
-                value, error, ("restore", os.path.basename(self.directory), rounds), "the restore"
-            )
+        agree = Exchanges(coord, ("restore", os.path.basename(self.directory)), "the restore")
 
         found: list[StepInfo] = []
         error: BaseException | None = None

@@ -52,7 +52,7 @@ from ._commit import (
     remove_path,
 )
 from ._direct import DirectIOInfo, probe_directory
-from ._dist import Coordinator, coordinator
+from ._dist import Coordinator, Exchanges, coordinator
 from ._exceptions import CheckpointCorruptError, UnsupportedStateError, maps_os_errors
 from ._flatten import Flattened, flatten
 from ._format import dtype_from_name, layout_file, supported_dtype
@@ -464,10 +464,10 @@ async def flatten_off_loop(
         return exc
 
 
-def exchange_label(final: str, n: int) -> tuple[str, int]:
-    """What the ``n``-th exchange of the save to ``final`` is, in its tag (see
+def save_label(final: str) -> tuple[str]:
+    """What the exchanges of the save to ``final`` say they are, in their tags (see
     `Coordinator`)."""
-    return (os.path.basename(final), n)
+    return (os.path.basename(final),)
 
 
 def given_path(path: object) -> str:
@@ -489,7 +489,7 @@ async def fail_together(coord: Coordinator | None, final: str, error: Exception)
     telling them fails too, ``error`` is raised all the same, with a note saying so."""
     if coord is not None:
         try:
-            await coord.exchange(None, error, exchange_label(final, 1))
+            await Exchanges(coord, save_label(final))(None, error)
         except Exception as exc:
             if exc is not error:
                 error.add_note(f"aiopersist: telling the other ranks of this failure failed too: {exc}")
@@ -622,16 +622,7 @@ async def save_state(
     token = uuid.uuid4().hex[:12]
     committed = False
 
-    exchanges = 0
-
-    async def exchange(value: Any, error: BaseException | None = None) -> list[Any]:
-        nonlocal exchanges
-        if coord is None:
-            if error is not None:
-                raise error
-            return [value]
-        exchanges += 1  # every rank must be at this save (by its name) and this exchange
-        return await coord.exchange(value, error, exchange_label(final, exchanges))
+    exchange = Exchanges(coord, save_label(final))
 
     # 1. describe, and (rank 0) claim the temporary directory.
     desc: RankDesc | None = None

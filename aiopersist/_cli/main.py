@@ -1073,20 +1073,9 @@ def _check_room(out: str, needed: int, largest: tuple[str, int, int] | None) -> 
     """`DiskFullError` when the file system of ``out`` has less free space than the
     ``needed`` bytes of the file ``convert`` would write (checked before anything is
     written: a view of a few bytes may claim terabytes, written in full)."""
-    import errno
+    from .._commit import check_room
 
-    from .._exceptions import DiskFullError
-
-    st = os.statvfs(os.path.dirname(out))
-    free = st.f_bavail * st.f_frsize
-    if needed > free:
-        raise DiskFullError(
-            errno.ENOSPC,
-            f"writing it needs {needed} bytes ({human(needed)}), its file system has {free} "
-            f"({human(free)}) free; {_what(largest) or 'no tensor'}; nothing was written",
-            out,
-            call="convert",
-        )
+    check_room(os.path.dirname(out), needed, "convert", out, _what(largest) or "no tensor")
 
 
 _PICKLED_ARRAY_COPIES = 6
