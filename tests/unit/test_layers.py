@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2] / "aiopersist"
 
 LAYERS: dict[str, tuple[str, ...]] = {
     # 0. Shared by all: errors, knobs, on-disk names, thread pools.
-    "base": ("_exceptions", "_knobs", "_names", "_workers", "_rng"),
+    "base": ("_exceptions", "_knobs", "_names", "_units", "_workers", "_rng"),
     # 1. Pure: no asyncio, no files. Untrusted input is validated here.
     "model": (
         "_format",
