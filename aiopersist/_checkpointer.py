@@ -34,7 +34,7 @@ from . import _knobs
 from ._backends import IOBackend, create_backend, to_thread_to_the_end
 from ._commit import remove_path
 from ._direct import AlignedBuffer, copy_bytes
-from ._dist import Coordinator, coordinator
+from ._dist import FAILURES, Coordinator, coordinator
 from ._exceptions import AiopersistError, ClosedError, maps_os_errors, typed_error
 from ._flatten import Flattened, StoredTensor
 from ._locate import PathArg, checkpoint_paths
@@ -218,7 +218,7 @@ class Checkpointer:
                     "on_busy='skip' with several ranks: each rank would decide alone, so one could skip "
                     "a save another one runs; use on_busy='wait'"
                 )
-        except Exception as exc:
+        except Exception as exc:  # (nothing above awaits: no cancellation)
             if coord is not None and self._slots is not None:
                 async with self._slots:  # in this save's turn: after the saves in flight
                     await fail_together(coord, given_path(path), exc)
@@ -234,7 +234,13 @@ class Checkpointer:
             _resolve(handle.staged, None)
             _resolve(handle.done, None)
             return handle
-        await self._slots.acquire()
+        try:
+            await self._slots.acquire()
+        except asyncio.CancelledError as exc:
+            if coord is not None:  # told in this save's turn, as a failure would be
+                async with self._slots:
+                    await fail_together(coord, target, exc)
+            raise
         slot = _Slot(self._slots)
         try:
             if self._closed:
@@ -252,7 +258,7 @@ class Checkpointer:
             extras = _extra_tensors(extra_files) if snapshot or torch.cuda.is_available() else _NO_EXTRAS
             total = self._check_budget(flat, extras) if isinstance(flat, Flattened) and snapshot else 0
             ready = _cuda_ready(flat, extras, cuda_ready)
-        except Exception as exc:
+        except FAILURES as exc:  # a cancellation too: told to the others, then raised
             try:
                 await fail_together(coord, target, exc)  # under the slot: in this save's turn
             finally:

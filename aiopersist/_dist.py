@@ -19,8 +19,10 @@ save either commits on every rank or on none.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import os
@@ -83,6 +85,37 @@ class _Outcome:
     """``"TypeName: message"`` of the exception this rank raised, or ``None``."""
     tag: str = ""
     """Which exchange this is (its number and what it is): every rank must be at the same."""
+    number: int = 0
+    """The exchange's number (in ``tag`` too)."""
+    given_up: tuple[str, ...] = ()
+    """The tags of the exchanges this rank gave up on, when it gathered this."""
+    attempt: int = 0
+    """How many times this rank gathered this exchange before (see `_gathers_again`)."""
+
+
+def _gathers_again(outcome: _Outcome, tags: set[str]) -> bool:
+    """Whether the rank of ``outcome``, having gathered ``tags``, gathers its exchange
+    again: the ranks at other exchanges are all at ones it gave up on (they come to its
+    exchange next), and it has not done so `_MAX_CATCH_UP` times yet. Every rank computes
+    this for every rank from the same gathered outcomes."""
+    behind = tags - {outcome.tag}
+    return bool(behind) and behind <= set(outcome.given_up) and outcome.attempt + 1 < _MAX_CATCH_UP
+
+
+FAILURES = (Exception, asyncio.CancelledError)
+"""What a rank tells the other ranks of a save or restore at its next exchange (see
+`Coordinator.exchange`): an error, or the caller cancelling it on this rank alone."""
+
+
+class _Cancelled(Exception):
+    """Stands for this rank's ``CancelledError`` in the exchange that tells the others."""
+
+
+def _told(error: BaseException) -> str:
+    """What the other ranks are told of ``error``."""
+    if isinstance(error, _Cancelled):
+        return "it was cancelled there (asyncio.CancelledError)"
+    return f"{type(error).__name__}: {error}"
 
 
 _MAX_CATCH_UP = 8
@@ -123,6 +156,10 @@ class _Mesh:
         saves', the restores', the integrations' gathers) in the order it makes them, so
         that ranks at different ones tell so, whatever their names."""
         return next(self._numbers)
+
+    def number_next(self, number: int) -> None:
+        """Number the next exchange ``number`` (see `Coordinator._step_again`)."""
+        self._numbers = itertools.count(number)
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (pickled), by rank. Raises ``RuntimeError`` when the mesh
@@ -221,8 +258,21 @@ class Coordinator:
         makes its exchanges one after another; concurrent saves over the same ranks are
         not supported (a Checkpointer with several ranks runs one at a time). Awaited to
         its end even if the caller is cancelled: a gather left running on the mesh would
-        meet the next save's."""
+        meet the next save's. An ``error`` that is ``CancelledError`` (the caller cancelled
+        this rank's save between its exchanges) is told to the others as a failure, then
+        raised."""
         number = self.mesh.number()  # here, in the order of the calls
+        if isinstance(error, asyncio.CancelledError):
+            # A cancellation on this rank is a failure of the save (or restore) for the
+            # others: told here, it makes them raise at once where they would wait for this
+            # rank until the timeout; then the cancellation goes on.
+            told = _Cancelled()
+            try:
+                await to_thread_to_the_end(self.settle, None, told, label, what, number)
+            except Exception as exc:
+                if exc is not told:
+                    error.add_note(f"aiopersist: telling the other ranks of this cancellation failed: {exc}")
+            raise error
         return await to_thread_to_the_end(self.settle, value, error, label, what, number)
 
     def settle(
@@ -232,9 +282,10 @@ class Coordinator:
         every rank raises: this rank its own ``error``, the others `RankFailedError` naming
         it (``what`` failed on rank ...). ``label`` says what this exchange is (a save's
         name and its place in it)."""
-        tag = repr((self.mesh.number() if number is None else number, label))
-        text = None if error is None else f"{type(error).__name__}: {error}"
-        outcome = _Outcome(self.rank, None if error is not None else value, text, tag)
+        number = self.mesh.number() if number is None else number
+        tag = repr((number, label))
+        text = None if error is None else _told(error)
+        outcome = _Outcome(self.rank, None if error is not None else value, text, tag, number)
         try:
             gathered = self._gather_in_step(outcome)
         except BaseException:
@@ -244,6 +295,8 @@ class Coordinator:
         failed = [o for o in gathered if o.error is not None]
         if error is not None or failed or len(tags) > 1:
             self._give_up(tag)
+        if len(tags) > 1:
+            self._step_again(gathered, tags)
         # A failure is named first (also one at another exchange: a rank whose path was
         # what failed); then ranks at different exchanges.
         if error is not None:
@@ -267,12 +320,23 @@ class Coordinator:
         given_up.append(tag)
         del given_up[:-_MAX_CATCH_UP]
 
+    def _step_again(self, gathered: list[_Outcome], tags: set[str]) -> None:
+        """After a gather of ranks at different exchanges, which this rank leaves (it
+        raises), number its next exchange so that the ranks meet again there: the number
+        of the exchange that ranks gathering theirs again wait at (a late rank's catch-up),
+        else one past the highest gathered. Every rank that leaves computes the same from
+        the same outcomes. A rank that skipped an exchange (it failed between two without
+        telling the others) would otherwise be one number behind at every later one."""
+        waiting = [o.number for o in gathered if _gathers_again(o, tags)]
+        self.mesh.number_next(max(waiting) if waiting else max(o.number for o in gathered) + 1)
+
     def _gather_in_step(self, outcome: _Outcome) -> list[_Outcome]:
         """Gather ``outcome``; gathered again while some ranks are still at exchanges this
         rank gave up on: those ranks fail theirs meanwhile (at another exchange than this
         rank) and come to this one next. A rank that timed out waiting for a late one
         would otherwise meet it one exchange behind, at every save."""
-        for _ in range(_MAX_CATCH_UP):
+        for attempt in range(_MAX_CATCH_UP):
+            outcome = dataclasses.replace(outcome, given_up=tuple(self.mesh.given_up), attempt=attempt)
             try:
                 raw = self.mesh.gather(outcome)
             except RuntimeError as exc:  # gloo's timeouts and lost peers
@@ -284,8 +348,7 @@ class Coordinator:
                 o if isinstance(o, _Outcome) else _Outcome(r, None, None, f"another ({type(o).__name__})")
                 for r, o in enumerate(raw)
             ]
-            behind = {o.tag for o in gathered} - {outcome.tag}
-            if not behind or not behind <= set(self.mesh.given_up):
+            if not _gathers_again(outcome, {o.tag for o in gathered}):
                 return gathered
         return gathered
 

@@ -59,7 +59,7 @@ from ._commit import (
     release_work_place,
     remove_path,
 )
-from ._dist import Exchanges, coordinator
+from ._dist import FAILURES, Exchanges, coordinator
 from ._exceptions import (
     AiopersistError,
     CheckpointCorruptError,
@@ -837,12 +837,10 @@ class CheckpointManager:
         is complete, and loads, on every one of them (each rank reads only what it needs,
         so one can find damage another does not). A rank that cannot load a step makes
         every rank go on to the next; an error that is not about the checkpoint (a
-        mismatched ``into``) makes every rank raise, the others `RankFailedError`.
+        mismatched ``into``), or the restore cancelled on one rank, makes every rank
+        raise, the others `RankFailedError`.
         """
         coord = coordinator(group)
-        if coord is not None:
-            # The ranks' exchanges must not meet those of this manager's saves in flight.
-            await self.checkpointer.wait()
         backend = kwargs.pop("backend", self._backend)
         tiers = self.directory + (f" or {self.mirror}" if self.mirror else "")
         agree = Exchanges(coord, ("restore", os.path.basename(self.directory)), "the restore")
@@ -850,8 +848,11 @@ class CheckpointManager:
         found: list[StepInfo] = []
         error: BaseException | None = None
         try:
+            if coord is not None:
+                # The ranks' exchanges must not meet those of this manager's saves in flight.
+                await self.checkpointer.wait()
             found = [s for s in await asyncio.to_thread(self.scan) if step is None or s.step == step]
-        except Exception as exc:
+        except FAILURES as exc:  # a cancellation too: told to the others, then raised
             error = exc
         complete = sorted({s.step for s in found if s.complete}, reverse=True)
         everywhere = await agree(complete, error)
@@ -878,7 +879,7 @@ class CheckpointManager:
                 result, failed, source = await self._restore_step(
                     [s for s in found if s.step == number and s.complete], into, backend, kwargs, failures
                 )
-            except Exception as exc:  # not about the checkpoint: every rank raises
+            except FAILURES as exc:  # not about the checkpoint (or cancelled): every rank raises
                 error = exc
             problems = await agree(None if failed is None else str(failed), error)
             if all(p is None for p in problems):

@@ -52,7 +52,7 @@ from ._commit import (
     remove_path,
 )
 from ._direct import DirectIOInfo, probe_directory
-from ._dist import Coordinator, Exchanges, coordinator
+from ._dist import FAILURES, Coordinator, Exchanges, coordinator
 from ._exceptions import CheckpointCorruptError, UnsupportedStateError, maps_os_errors
 from ._flatten import Flattened, flatten
 from ._format import dtype_from_name, layout_file, supported_dtype
@@ -481,9 +481,10 @@ def given_path(path: object) -> str:
         return repr(path)
 
 
-async def fail_together(coord: Coordinator | None, final: str, error: Exception) -> NoReturn:
+async def fail_together(coord: Coordinator | None, final: str, error: BaseException) -> NoReturn:
     """Raise ``error``, a failure of this rank before its save to ``final`` reached its first
-    exchange (an argument, the backend, the snapshot), after telling the other ranks at
+    exchange (an argument, the backend, the snapshot, the caller cancelling it), after
+    telling the other ranks at
     that exchange: they raise `RankFailedError` at once rather than wait for this rank
     until ``AIOPERSIST_DIST_TIMEOUT``, and the ranks stay in step for the next save. If
     telling them fails too, ``error`` is raised all the same, with a note saying so."""
@@ -548,15 +549,15 @@ async def save(
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         paths = checkpoint_paths(path)
         await check_save_arguments(metadata, extra_files, paths, coord.world_size if coord is not None else 1)
-    except Exception as exc:
+        flat = await flatten_off_loop(obj, allow_pickle, coord)
+    except FAILURES as exc:
         await fail_together(coord, given_path(path), exc)
-    flat = await flatten_off_loop(obj, allow_pickle, coord)
     pool = StagingPool()
     try:
         async with contextlib.AsyncExitStack() as stack:
             try:
                 be = await stack.enter_async_context(open_backend(backend))
-            except Exception as exc:  # the backend would not start here
+            except FAILURES as exc:  # the backend would not start here
                 await fail_together(coord, paths[0], exc)
             return await save_state(
                 be,
@@ -648,23 +649,25 @@ async def save_state(
         finally:
             await settle([described])
         desc = described.result()
-    except Exception as exc:
+    except FAILURES as exc:  # a cancellation too: told to the others, then raised
         error = exc
     try:
         descs: list[RankDesc] = await exchange(desc, error)
         token = descs[0].token
-        # 2. plan: pure and the same everywhere, so it fails everywhere alike.
-        plan = await asyncio.to_thread(plan_write, descs, len(paths), max_shard_bytes)
         assert isinstance(flat, Flattened)
-        # 3. write; a failure here is every rank's.
+        # 2. plan (pure and the same everywhere, so it fails everywhere alike), 3. write;
+        # a failure here is every rank's.
+        plan: WritePlan | None = None
         mine: list[_Written] = []
         extras: list[FileRecord] = []
         write_error: BaseException | None = None
         try:
+            plan = await asyncio.to_thread(plan_write, descs, len(paths), max_shard_bytes)
             mine, extras = await _write_mine(be, pool, flat, plan, paths, token, rank, staged, extra_files)
-        except Exception as exc:
+        except FAILURES as exc:
             write_error = exc
         written: list[list[_Written]] = await exchange(mine, write_error)
+        assert plan is not None
         # 4. commit, on rank 0.
         commit_error: BaseException | None = None
         old_parts: list[str] = []
@@ -683,7 +686,7 @@ async def save_state(
                     discard or remove_path,
                 )
                 committed = True
-            except Exception as exc:
+            except FAILURES as exc:
                 commit_error = exc
             if committed and old_parts:
                 # The replaced checkpoint's parts go after it (its primary went at the

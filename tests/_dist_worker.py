@@ -270,6 +270,42 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
                 if rank == 0:
                     outcome["rank 1 at the barrier"] = store.check(["rank 1 at the barrier"])
         return outcome
+    if name == "skipped-exchange":
+        # Rank 0 makes an exchange that rank 1 never makes (here a barrier alone; in a job,
+        # a rank that failed between two exchanges without telling the others): rank 0
+        # gives up on it after the timeout. The next save fails on both (the ranks are at
+        # different exchanges), and from then on they save together (the old code kept
+        # them one exchange apart: every later save failed).
+        from aiopersist._dist import coordinator
+
+        store = dist.distributed_c10d._get_default_store()
+        outcome = {}
+        await aiopersist.save({"w": torch.ones(1000)}, paths[0] + "-Z", backend=backend)  # the mesh is made
+        coord = coordinator()
+        assert coord is not None
+        if rank == 0:
+            try:
+                await asyncio.to_thread(coord.barrier)
+                outcome["barrier"] = "ok"
+            except Exception as exc:
+                outcome["barrier"] = f"{type(exc).__name__}: {exc}"
+            store.set("rank 0 gave up", "")
+        else:
+            await asyncio.to_thread(store.wait, ["rank 0 gave up"])
+        for value, save in enumerate(("A", "B", "C"), 1):
+            state = {"a": torch.full((1000,), float(value))}
+            try:
+                await aiopersist.save(state, paths[0] + "-" + save, backend=backend, replicated=True)
+                back = await aiopersist.load(paths[0] + "-" + save, backend=backend)
+                outcome[save] = "ok" if float(back["a"][0]) == value else "holds another save's values"
+            except Exception as exc:
+                outcome[save] = f"{type(exc).__name__}: {exc}"
+        try:
+            await asyncio.to_thread(coord.barrier)
+            outcome["last barrier"] = "ok"
+        except Exception as exc:
+            outcome["last barrier"] = f"{type(exc).__name__}: {exc}"
+        return outcome
     if name == "subgroups-come-and-go":
         # A subgroup made, saved through and destroyed, again and again: the checkpoint's
         # mesh of each goes with it (the old code kept every one, and its gloo threads,
@@ -333,6 +369,13 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
             except BaseException as exc:
                 outcome["first"] = type(exc).__name__
         return outcome
+    if name == "cancelled-alone":
+        # Every kind below, one after the other, in one pair of processes.
+        kinds = ("first", "write", "commit", "slot", "restore")
+        return {k: await cancelled_alone(k, rank, os.path.join(base, k), backend) for k in kinds}
+    if name.startswith("cancelled-alone-"):
+        kind = name.removeprefix("cancelled-alone-")
+        return {kind: await cancelled_alone(kind, rank, os.path.join(base, kind), backend)}
     if name == "disk-full":
         # Rank 1 writes to the second directory, a 1 MiB tmpfs the test mounted.
         await aiopersist.save({"w": torch.ones(4 << 20)}, paths, replicated=True, backend=backend)
@@ -466,6 +509,107 @@ def gloo_threads() -> list[str]:
         except OSError:  # a thread that has just ended
             pass
     return sorted(n for n in names if "gloo" in n)
+
+
+async def cancelled_alone(kind: str, rank: int, base: str, backend: str) -> dict[str, str]:
+    """One rank's save (or restore) is cancelled by its caller where ``kind`` says (before
+    the first exchange, while writing, while rank 0 commits, while a Checkpointer's save
+    waits for its slot, while a restore loads); the other rank goes on with its own. The
+    cancelled rank makes no other exchange until the other one has its outcome (a key in
+    the store): the other must hear of the cancellation, not wait for the timeout. Then
+    both save again together."""
+    import aiopersist._manager as manager_module
+    import aiopersist._save as save_module
+
+    paths = [os.path.join(base, "a", "ck"), os.path.join(base, "b", "ck")]
+    store = dist.distributed_c10d._get_default_store()
+    cancelled = 0 if kind == "commit" else 1
+    state = {"w": torch.ones(1 << 16), "v": torch.arange(1000.0)}
+    outcome: dict[str, str] = {}
+    dirs = [os.path.join(base, "m")]
+    if kind == "restore":
+        async with aiopersist.CheckpointManager(dirs, backend=backend) as mgr:
+            await (await mgr.save(1, state)).done
+    reached = asyncio.Event()
+
+    def when_reached(module: Any, attr: str) -> Any:
+        """``module.attr`` (a coroutine function), which first says it was reached."""
+        real = getattr(module, attr)
+
+        async def reach(*args: Any, **kwargs: Any) -> Any:
+            reached.set()
+            await asyncio.sleep(0)  # the cancellation lands in the real function
+            return await real(*args, **kwargs)
+
+        setattr(module, attr, reach)
+        return real
+
+    async def run() -> None:
+        if kind == "slot":
+            async with aiopersist.Checkpointer(backend=backend) as ck:
+                await ck.save(state, [p + "-0" for p in paths])  # in flight (slowed below)
+                reached.set()
+                await (await ck.save(state, paths)).done
+        elif kind == "restore":
+            mgr = aiopersist.CheckpointManager(dirs, backend=backend)
+            try:
+                await mgr.restore()
+            finally:
+                await mgr.aclose()
+        else:
+            await aiopersist.save(state, paths, backend=backend)
+
+    real: Any = None
+    where = {"first": "flatten_off_loop", "write": "_write_mine", "commit": "_commit"}
+    if rank == cancelled and kind in where:
+        real = when_reached(save_module, where[kind])
+    if rank == cancelled and kind == "restore":
+        real = when_reached(manager_module, "load")
+    if rank == cancelled and kind == "slot":
+        write_mine = save_module._write_mine
+
+        async def slowly(*args: Any, **kwargs: Any) -> Any:  # the first save holds the slot
+            await asyncio.sleep(1.5)
+            return await write_mine(*args, **kwargs)
+
+        save_module._write_mine = slowly
+    try:
+        task = asyncio.ensure_future(run())
+        if rank == cancelled:
+            await reached.wait()
+            if kind == "slot":
+                await asyncio.sleep(0.3)  # the second save waits for the slot
+            task.cancel()
+        try:
+            await task
+            outcome["first"] = "ok"
+        except BaseException as exc:
+            outcome["first"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if rank == cancelled and kind in where:
+            setattr(save_module, where[kind], real)
+        elif rank == cancelled and kind == "restore":
+            manager_module.load = real
+        elif rank == cancelled and kind == "slot":
+            save_module._write_mine = write_mine
+    if rank == cancelled:
+        store.wait([f"{base}/told"], datetime.timedelta(seconds=120))
+    else:
+        store.set(f"{base}/told", "1")
+    try:
+        if kind == "restore":
+            mgr = aiopersist.CheckpointManager(dirs, backend=backend)
+            try:
+                back = await mgr.restore()
+            finally:
+                await mgr.aclose()
+            assert torch.equal(back["w"], state["w"]), "restored"
+        else:
+            await aiopersist.save(state, [p + "-again" for p in paths], backend=backend)
+        outcome["second"] = "ok"
+    except Exception as exc:
+        outcome["second"] = f"{type(exc).__name__}: {exc}"
+    return outcome
 
 
 def main() -> None:

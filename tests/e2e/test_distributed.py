@@ -331,6 +331,23 @@ def test_saves_go_on_after_a_rank_was_late(tmp_path: Path, variant: str) -> None
         assert (tmp_path / "a" / "ck-C").is_dir()
 
 
+def test_ranks_a_skipped_exchange_apart_meet_again(tmp_path: Path) -> None:
+    """Rank 0 makes an exchange rank 1 never makes, and gives up on it after the timeout.
+    The next save fails on both ("not at the same save"); then the ranks number their
+    exchanges alike again and save together (the old code failed every later save)."""
+    outs = run_ranks("skipped-exchange", tmp_path, "threads", AIOPERSIST_DIST_TIMEOUT="5")
+    assert [o["rc"] for o in outs] == [0, 0], outs
+    first, second = outs[0]["ok"], outs[1]["ok"]
+    assert first["barrier"].startswith("RankFailedError: rank 0: exchanging checkpoint metadata"), outs
+    assert first["A"].startswith("RankFailedError: the ranks are not at the same save"), outs
+    assert second["A"].startswith("RankFailedError: the ranks are not at the same save"), outs
+    assert first["B"] == first["C"] == second["B"] == second["C"] == "ok", outs
+    assert first["last barrier"] == second["last barrier"] == "ok", outs
+    assert not (tmp_path / "a" / "ck-A").exists()
+    assert (tmp_path / "a" / "ck-C").is_dir()
+    _no_leftovers(tmp_path)
+
+
 def test_a_subgroup_s_mesh_goes_with_it(tmp_path: Path) -> None:
     outs = run_ranks("subgroups-come-and-go", tmp_path, "threads")
     assert [o["rc"] for o in outs] == [0, 0], outs
@@ -379,6 +396,31 @@ def test_a_rank_failing_before_the_first_exchange_fails_the_others_at_once(tmp_p
         assert mine["second"] == theirs["second"] == "ok", (kind, outs)
         assert not (tmp_path / kind / "a" / "ck").exists()
         assert not (tmp_path / kind / "a" / "step-3").exists()
+
+
+def test_a_save_or_restore_cancelled_on_one_rank_fails_the_others_at_once(tmp_path: Path) -> None:
+    """The caller cancels one rank's save: before its first exchange, while it writes,
+    while rank 0 commits, while a Checkpointer's save waits for its slot; or one rank's
+    restore while it loads. The cancelled rank tells the other at the next exchange and
+    raises `CancelledError`; the other raises `RankFailedError` saying so at once (the old
+    code's waited out AIOPERSIST_DIST_TIMEOUT, here 20 s, and said that). Nothing is
+    published, and both then save (or restore) together."""
+    outs = run_ranks(
+        "cancelled-alone", tmp_path, "io_uring" if URING_OK else "threads", AIOPERSIST_DIST_TIMEOUT="20"
+    )
+    assert [o["rc"] for o in outs] == [0, 0], outs
+    for kind in ("first", "write", "commit", "slot", "restore"):
+        cancelled = 0 if kind == "commit" else 1
+        mine, theirs = outs[cancelled]["ok"][kind], outs[1 - cancelled]["ok"][kind]
+        what = "restore" if kind == "restore" else "save"
+        assert mine["first"].startswith("CancelledError"), (kind, outs)
+        assert theirs["first"].startswith(
+            f"RankFailedError: the {what} failed on rank {cancelled}: it was cancelled there"
+        ), (kind, outs)
+        assert mine["second"] == theirs["second"] == "ok", (kind, outs)
+        assert not (tmp_path / kind / "a" / "ck").exists(), kind
+        assert (tmp_path / kind / ("m" if kind == "restore" else "a")).exists(), kind
+    assert not [p for p in tmp_path.rglob("*") if ".aiopersist-tmp-" in p.name]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
