@@ -1145,6 +1145,54 @@ def _check_metadata(metadata: object, where: str) -> None:
                 raise CheckpointCorruptError(
                     f"{where}: {fqn}: the chunk at {list(offsets)} has no storage record"
                 )
+        _check_cover(size, chunks, f"{where}: {fqn}")
+
+
+_MAX_CORNERS = 1 << 24
+"""How many chunk corners `_check_cover` counts for one tensor at most."""
+
+
+def _check_cover(size: tuple[int, ...], chunks: Sequence[ChunkStorageMetadata], where: str) -> None:
+    """The (checked) ``chunks`` of a tensor of ``size`` cover every element exactly once:
+    DCP writes a tensor whole, and a load fills its target from the chunks, so a gap would
+    leave part of the target as it was (silently), and an overlap hides a gap (or gives
+    an element two values).
+
+    A box's indicator function is the signed sum of step functions at its corners (+1 at
+    a corner with an even number of upper bounds, -1 at an odd one), and those step
+    functions are linearly independent: the chunks' indicators sum to the tensor's (every
+    element covered once, none outside) exactly when their signed corners sum to the
+    tensor's. Linear in the chunks, where comparing them pairwise is quadratic; only the
+    dimensions some chunk splits count (``2**k`` corners a chunk for ``k`` of them)."""
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks if all(c.sizes)]
+    split = [d for d in range(len(size)) if any(o[d] != 0 or n[d] != size[d] for o, n in boxes)]
+    if not all(size):
+        return  # no elements (nor chunks that hold any: each is inside the tensor)
+    if not boxes:
+        raise CheckpointCorruptError(f"{where}: no chunk holds any of its {bounded_count(size)} elements")
+    if len(boxes) << len(split) > _MAX_CORNERS:
+        raise CheckpointCorruptError(
+            f"{where}: {len(boxes)} chunks split along {len(split)} dimensions: too many to check"
+            " that they cover the tensor once"
+        )
+    corners: dict[tuple[int, ...], int] = {}
+    whole = (tuple(0 for _ in size), size)
+    for (offsets, sizes), sign in [*((box, 1) for box in boxes), (whole, -1)]:
+        for mask in range(1 << len(split)):
+            corner = tuple(
+                offsets[d] + sizes[d] if mask >> i & 1 else offsets[d] for i, d in enumerate(split)
+            )
+            value = corners.get(corner, 0) + (-sign if mask.bit_count() & 1 else sign)
+            if value:
+                corners[corner] = value
+            else:
+                del corners[corner]
+    if corners:
+        at = min(corners)
+        raise CheckpointCorruptError(
+            f"{where}: its chunks do not cover it exactly once (they overlap, or leave part of it"
+            f" out, around index {list(at)} of dimensions {split})"
+        )
 
 
 def _check_apart(ranges: Sequence[tuple[int, int]], where: str) -> None:

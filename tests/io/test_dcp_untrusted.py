@@ -118,9 +118,29 @@ def _overlapping_records(md: Metadata) -> None:
     md.storage_data[MetadataIndex("b.x")] = _StorageInfo(inner.relative_path, inner.offset + 8, 64)
 
 
+def _chunk_gap(md: Metadata) -> None:
+    md.state_dict_metadata["a"].chunks[0].sizes = torch.Size([3000])  # type: ignore[union-attr,misc]
+
+
+def _chunks_overlap(md: Metadata) -> None:
+    inner = md.storage_data[A]
+    md.state_dict_metadata["a"].chunks.append(ChunkStorageMetadata(torch.Size([1000]), torch.Size([1000])))  # type: ignore[union-attr]
+    md.storage_data[MetadataIndex("a", torch.Size([1000]))] = _StorageInfo(
+        inner.relative_path, inner.offset, inner.length
+    )
+
+
+def _no_chunk(md: Metadata) -> None:
+    md.state_dict_metadata["a"].chunks = []  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
+        (_chunk_gap, "a: its chunks do not cover it exactly once (they overlap, or leave part of it"),
+        (_chunk_gap, "leave part of it out, around index [3000] of dimensions [0])"),
+        (_chunks_overlap, "a: its chunks do not cover it exactly once"),
+        (_no_chunk, "a: no chunk holds any of its 4000 elements"),
         (_no_record, "a: the chunk at [0] has no storage record"),
         (_str_key, "a storage record is not keyed by a DCP index"),
         (_storage_meta_int, "storage_meta is a int"),
@@ -139,7 +159,9 @@ def test_malformed_metadata_is_refused_before_it_is_used(
 ) -> None:
     """Objects of DCP's metadata classes built with missing or mistyped fields (the
     restricted unpickler lets a pickle set any), records missing or overlapping (reading
-    them would hand out bytes twice, or whatever memory a buffer held): a typed refusal
+    them would hand out bytes twice, or whatever memory a buffer held), chunks that leave
+    part of a tensor out or overlap (stock DCP loads the rest and leaves that part of the
+    target as it was, silently): a typed refusal
     naming the part, where these used to escape as KeyError, TypeError, AttributeError
     or load leftover memory as values."""
     ck = tmp_path / "ck"
@@ -657,3 +679,51 @@ def test_a_value_that_would_run_code_is_refused_unrun(backend_name: str, tmp_pat
     dcp.load(target, checkpoint_id=str(ck), storage_reader=reader)
     assert target["b"]["x"] == datetime.date(2024, 1, 2)
     assert torch.equal(target["a"], torch.arange(4000.0))
+
+
+def _tiling(rng: Any, offsets: list[int], sizes: list[int], depth: int) -> list[tuple[list[int], list[int]]]:
+    """Boxes that tile the box at ``offsets`` of ``sizes``: split along a dimension, again
+    and again."""
+    splittable = [d for d, n in enumerate(sizes) if n > 1]
+    if depth == 0 or not splittable or rng.random() < 0.2:
+        return [(offsets, sizes)]
+    d = rng.choice(splittable)
+    k = rng.randrange(1, sizes[d])
+    first = [*sizes[:d], k, *sizes[d + 1 :]]
+    second = [*sizes[:d], sizes[d] - k, *sizes[d + 1 :]]
+    after = [*offsets[:d], offsets[d] + k, *offsets[d + 1 :]]
+    return _tiling(rng, offsets, first, depth - 1) + _tiling(rng, after, second, depth - 1)
+
+
+def test_the_chunk_cover_check_agrees_with_counting_every_element() -> None:
+    """`_check_cover` against the plain count of how many chunks hold each element, on
+    random tilings and on tilings with one chunk dropped, shrunk, grown or moved."""
+    import random
+
+    from aiopersist.integrations.dcp import _check_cover
+
+    rng = random.Random(7)
+    for _ in range(400):
+        size = [rng.randint(1, 7) for _ in range(rng.randint(1, 4))]
+        boxes = _tiling(rng, [0] * len(size), size, 6)
+        i, d = rng.randrange(len(boxes)), rng.randrange(len(size))
+        offsets, sizes = boxes[i]
+        change = rng.choice(["none", "drop", "shrink", "grow", "move"])
+        if change == "drop":
+            del boxes[i]
+        elif change in ("shrink", "grow") and sizes[d] + (1 if change == "grow" else -1) > 0:
+            sizes = [*sizes[:d], sizes[d] + (1 if change == "grow" else -1), *sizes[d + 1 :]]
+        elif change == "move" and offsets[d] > 0:
+            offsets = [*offsets[:d], offsets[d] - 1, *offsets[d + 1 :]]
+        if change != "drop":
+            boxes[i] = (offsets, sizes)
+        boxes = [(o, n) for o, n in boxes if all(a + b <= m for a, b, m in zip(o, n, size, strict=True))]
+        count = torch.zeros(size, dtype=torch.int64)
+        for o, n in boxes:
+            count[tuple(slice(a, a + b) for a, b in zip(o, n, strict=True))] += 1
+        chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in boxes]
+        if bool((count == 1).all()):
+            _check_cover(tuple(size), chunks, "t")
+        else:
+            with pytest.raises(aiopersist.CheckpointCorruptError, match="t: "):
+                _check_cover(tuple(size), chunks, "t")
