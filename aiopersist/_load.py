@@ -192,7 +192,8 @@ async def _read_whole(
     head_len = rec.data_offset if rec.data_offset is not None else rec.nbytes
     check_tiling(read, head_len, rec.nbytes, path)
     head = torch.empty(head_len, dtype=torch.uint8)
-    parts = [(0, head), *((s.begin, dests.memory(s)) for s in read.spans)]
+    # A view per span (thousands of small tensors): in a worker thread.
+    parts = await asyncio.to_thread(lambda: [(0, head), *((s.begin, dests.memory(s)) for s in read.spans)])
     # Read in groups of about _HASH_GROUP bytes, a few groups in flight, and checksum each
     # group in file order (in a thread) as soon as it is in: the checksum overlaps the reads.
     hasher = new_hasher()
@@ -255,7 +256,7 @@ async def _read_spans(
     progress: Progress | None = None,
 ) -> None:
     """Read just the spans of one file; those with checksums of their own are checked."""
-    memory = [dests.memory(s) for s in read.spans]
+    memory = await asyncio.to_thread(lambda: [dests.memory(s) for s in read.spans])
     await read_segments(be, path, dio, pool, [(s.begin, m) for s, m in zip(read.spans, memory, strict=True)])
     checked = [(s, m) for s, m in zip(read.spans, memory, strict=True) if s.checksum is not None]
     actual = await asyncio.to_thread(_digests, [m for _, m in checked]) if checked else []
@@ -374,8 +375,13 @@ async def _load_manifest(
 ) -> Any:
     manifest = loc.manifest
     assert manifest is not None
-    state = manifest.rank_state(rank)
-    plan = plan_read(manifest, state, {k: w.rows for k, w in wants.items()}, allow_pickle=allow_pickle)
+
+    def planned() -> tuple[RankState, ReadPlan]:  # O(tensors) Python: in a worker thread
+        state = manifest.rank_state(rank)
+        rows = {k: w.rows for k, w in wants.items()}
+        return state, plan_read(manifest, state, rows, allow_pickle=allow_pickle)
+
+    state, plan = await asyncio.to_thread(planned)
     stored, pickled = await execute_read(be, loc, pool, prefault, plan)
     if plan.checked_spans:
         for name, want in wants.items():
@@ -390,7 +396,7 @@ async def _load_manifest(
             if want.rows is not None and name not in plan.wanted_rows:  # read whole: this rank's rows
                 local = local[want.rows[0] : want.rows[1]]
             stored[name] = _as_dtensor(local, want)
-    return _rebuild(state, stored, pickled)
+    return await asyncio.to_thread(_rebuild, state, stored, pickled)
 
 
 def _unpickle(raw: torch.Tensor, where: str) -> list[object]:
@@ -589,7 +595,7 @@ async def load(
                 )
             else:
                 layouts = await run_all(_read_header(be, f, loc.sizes[f]) for f in loc.files)
-                plan = plan_safetensors(zip(loc.files, layouts, strict=True))
+                plan = await asyncio.to_thread(plan_safetensors, list(zip(loc.files, layouts, strict=True)))
                 state, _ = await execute_read(be, loc, pool, prefault, plan)
     finally:
         prefault.close()

@@ -549,9 +549,18 @@ async def _run_copies(jobs: Sequence[_CopyJob]) -> None:
     await _copy_off_loop(sum(j[4] for j in jobs), _copy_all_jobs, jobs)
 
 
-def _copy_out_of(copies: Sequence[tuple[int, int, int]]) -> None:
-    for dst, src, n in copies:
-        copy_bytes(dst, src, n)
+def _copy_window_out(
+    staged: Sequence[tuple[int, torch.Tensor]], starts: Sequence[int], ws: int, we: int, address: int
+) -> None:
+    """Copy the file's bytes ``[ws, we)``, read into memory at ``address``, out to the
+    ``staged`` segments (sorted, starting at ``starts``) they hold bytes of."""
+    i = max(bisect.bisect_right(starts, ws) - 1, 0)
+    while i < len(staged) and staged[i][0] < we:
+        off, dest = staged[i]
+        lo, hi = max(ws, off), min(we, off + dest.numel())
+        if lo < hi:
+            copy_bytes(dest.data_ptr() + lo - off, address + lo - ws, hi - lo)
+        i += 1
 
 
 def _settle_future(fut: asyncio.Future[None], outcome: BaseException | None) -> None:
@@ -640,29 +649,27 @@ async def open_for_read(backend: IOBackend, name: str, flags: int) -> int:
     return fd
 
 
-async def read_segments(
-    backend: IOBackend,
-    path: str | os.PathLike[str],
-    dio: DirectIOInfo,
-    pool: StagingPool,
-    segments: Sequence[tuple[int, torch.Tensor]],
-) -> None:
-    """Fill each ``(file_offset, dest)`` with the file's bytes at that offset.
+_INLINE_SEGMENTS = 64
+"""`read_segments` lays out this many segments at most on the event loop; more in a
+worker thread."""
 
-    ``dest`` is a contiguous 1-D ``uint8`` CPU tensor (often a byte view of the tensor
-    being loaded); segments must not overlap. Where a destination is suitably aligned in
-    memory, its aligned middle is read straight into it (no staging copy); everything
-    else is read in aligned windows of the pool's buffer size, as many in flight as the
-    pool has buffers, and copied out.
-    """
-    name = os.fspath(path)
+
+_Segments = list[tuple[int, torch.Tensor]]
+"""(file offset, destination) pairs."""
+
+
+def _lay_out_segments(
+    segments: Sequence[tuple[int, torch.Tensor]], dio: DirectIOInfo, window: int
+) -> tuple[_Segments, _Segments, list[int], list[tuple[int, int]], int] | None:
+    """`read_segments`' requests: the parts read straight into their destination, the
+    parts read through staging (and their file offsets), the staging windows, and the end
+    of the last segment; ``None`` when there is nothing to read."""
     segs = sorted(((off, d) for off, d in segments if d.numel() > 0), key=lambda sd: sd[0])
     if not segs:
-        return
+        return None
     last = max(off + d.numel() for off, d in segs)
-    window = pool.buffer_bytes
-    direct: list[tuple[int, torch.Tensor]] = []  # (file offset, destination slice)
-    staged: list[tuple[int, torch.Tensor]] = []
+    direct: _Segments = []
+    staged: _Segments = []
     end = 0
     for off, dest in segs:
         if not dest.is_contiguous() or dest.dtype != torch.uint8:
@@ -681,6 +688,33 @@ async def read_segments(
     starts = [off for off, _ in staged]
     align = dio.offset_align if dio.direct else 1
     windows = _plan_windows([(off, off + d.numel()) for off, d in staged], align, window)
+    return direct, staged, starts, windows, last
+
+
+async def read_segments(
+    backend: IOBackend,
+    path: str | os.PathLike[str],
+    dio: DirectIOInfo,
+    pool: StagingPool,
+    segments: Sequence[tuple[int, torch.Tensor]],
+) -> None:
+    """Fill each ``(file_offset, dest)`` with the file's bytes at that offset.
+
+    ``dest`` is a contiguous 1-D ``uint8`` CPU tensor (often a byte view of the tensor
+    being loaded); segments must not overlap. Where a destination is suitably aligned in
+    memory, its aligned middle is read straight into it (no staging copy); everything
+    else is read in aligned windows of the pool's buffer size, as many in flight as the
+    pool has buffers, and copied out.
+    """
+    name = os.fspath(path)
+    window = pool.buffer_bytes
+    if len(segments) <= _INLINE_SEGMENTS:
+        laid = _lay_out_segments(segments, dio, window)
+    else:  # O(segments) Python and tensor views: thousands of small tensors
+        laid = await asyncio.to_thread(_lay_out_segments, segments, dio, window)
+    if laid is None:
+        return
+    direct, staged, starts, windows, last = laid
 
     fd = await open_for_read(backend, name, os.O_RDONLY | os.O_NOFOLLOW | dio.open_flags)
     try:
@@ -704,16 +738,8 @@ async def read_segments(
                 got = await backend.read(fd, buf.view[: we - ws], ws)
                 if got < min(we, last) - ws:
                     raise short(ws)
-                i = max(bisect.bisect_right(starts, ws) - 1, 0)
-                copies: list[tuple[int, int, int]] = []
-                while i < len(staged) and staged[i][0] < we:
-                    off, dest = staged[i]
-                    lo, hi = max(ws, off), min(we, off + dest.numel())
-                    if lo < hi:
-                        copies.append((dest.data_ptr() + lo - off, buf.address + lo - ws, hi - lo))
-                    i += 1
                 # A window's copies out (one or thousands of small tensors) in one go.
-                await _copy_off_loop(sum(n for _, _, n in copies), _copy_out_of, copies)
+                await _copy_off_loop(we - ws, _copy_window_out, staged, starts, ws, we, buf.address)
             finally:
                 pool.release(buf)
 

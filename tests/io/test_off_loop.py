@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import aiopersist
-from aiopersist import _save
+from aiopersist import _save, _stream
 from aiopersist._direct import AlignedBuffer
 from aiopersist._stream import FileWriter
 
@@ -123,8 +123,9 @@ async def test_torch_save_s_small_writes_reach_the_loop_in_batches(
 async def test_a_load_allocates_and_parses_headers_off_the_loop(
     backend_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
-    """One allocation per tensor and the parse of a header (megabytes of JSON for a large
-    model) run in worker threads."""
+    """One allocation per tensor, the parse of a header (megabytes of JSON for a large
+    model), planning the reads, laying out the requests and rebuilding the state run in
+    worker threads."""
     from aiopersist import _load
 
     state = _state()
@@ -137,7 +138,13 @@ async def test_a_load_allocates_and_parses_headers_off_the_loop(
         save_file(state, str(tmp_path / "m.safetensors"))
         path = tmp_path / "m.safetensors"
     loop_thread = threading.get_ident()
-    seen: dict[str, set[int]] = {"allocate": set(), "parse_header": set()}
+    seen: dict[str, set[int]] = {
+        "_allocate": set(),
+        "parse_header": set(),
+        "plan_read": set(),
+        "plan_safetensors": set(),
+        "_rebuild": set(),
+    }
 
     def watched(name: str, real: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -146,13 +153,25 @@ async def test_a_load_allocates_and_parses_headers_off_the_loop(
 
         return call
 
-    monkeypatch.setattr(_load, "_allocate", watched("allocate", _load._allocate))
-    monkeypatch.setattr(_load, "parse_header", watched("parse_header", _load.parse_header))
+    for name in seen:
+        monkeypatch.setattr(_load, name, watched(name, getattr(_load, name)))
+    # A view of each span's memory, and the requests for them (200 segments: more than
+    # read_segments lays out on the loop).
+    seen["memory"], seen["_lay_out_segments"] = set(), set()
+    monkeypatch.setattr(_load._Destinations, "memory", watched("memory", _load._Destinations.memory))
+    monkeypatch.setattr(_stream, "_lay_out_segments", watched("_lay_out_segments", _stream._lay_out_segments))
     back = await aiopersist.load(path, backend=backend_name)
     assert all(torch.equal(back[k], v) for k, v in state.items())
-    assert seen["allocate"]
-    assert seen["parse_header"] or layout == "aiopersist"  # the manifest describes the file
-    assert loop_thread not in seen["allocate"] | seen["parse_header"]
+    assert seen["_allocate"]
+    assert seen["memory"]
+    assert seen["_lay_out_segments"]
+    if layout == "aiopersist":  # the manifest describes the file
+        assert seen["plan_read"]
+        assert seen["_rebuild"]
+    else:
+        assert seen["parse_header"]
+        assert seen["plan_safetensors"]
+    assert loop_thread not in set().union(*seen.values())
 
 
 async def test_safetensors_extra_files_are_checked_and_laid_out_off_the_loop(
