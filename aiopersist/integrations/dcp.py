@@ -1250,6 +1250,8 @@ class AiopersistReader(StorageReader):
     ) -> None:
         super().__init__()
         self.path = os.path.abspath(os.fspath(path)) if path is not None else None
+        self.checkpoint_id: Path | None = Path(path) if path is not None else None
+        """The checkpoint as it was named (a ``Path``, as ``FileSystemReader.checkpoint_id``)."""
         self.backend = backend
         self.allow_pickle = allow_pickle
         self.load_id = uuid.uuid4().hex
@@ -1268,6 +1270,7 @@ class AiopersistReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.checkpoint_id = Path(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
 

@@ -227,6 +227,19 @@ def test_checkpoint_ids_are_told_apart_as_filesystemwriter_tells_them(tmp_path: 
     assert not AiopersistWriter.validate_checkpoint_id("s3://bucket/ck")
 
 
+def test_checkpoint_id_is_told_as_filesystemreader_and_writer_tell_it(tmp_path: Path) -> None:
+    """``checkpoint_id``: the directory as it was named (a ``Path``), given to the
+    constructor or to ``reset``, as DCP's own reader and writer have it."""
+    for ours, stock in ((AiopersistWriter, FileSystemWriter), (AiopersistReader, FileSystemReader)):
+        for named in (str(tmp_path / "ck"), tmp_path / "ck", "relative/ck"):
+            mine, theirs = ours(named), stock(named)
+            assert mine.checkpoint_id == theirs.checkpoint_id, (ours, named)
+            assert isinstance(mine.checkpoint_id, Path)
+            mine.reset(tmp_path / "other")
+            theirs.reset(tmp_path / "other")
+            assert mine.checkpoint_id == theirs.checkpoint_id == tmp_path / "other"
+
+
 def test_an_existing_checkpoint_is_kept_unless_overwrite(backend_name: str, tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     dcp.save(_state(0), checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
