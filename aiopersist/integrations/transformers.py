@@ -190,7 +190,9 @@ class AioPersistCallback(TrainerCallback):
     ``save_total_limit`` is applied in a background thread as soon as each checkpoint is
     committed, keeping the best one. Where training stops, the last checkpoint is waited
     for (durable, rotation done) before the Trainer goes on, so ``load_best_model_at_end``
-    and the stock end-of-training cleanup see every checkpoint complete.
+    and the stock end-of-training cleanup see every checkpoint complete; for a stop
+    decided after the last save, at the Trainer's closing log and in its
+    ``_load_best_model``, which the callback wraps on the instance too.
 
     Under DistributedDataParallel (``torchrun``) every rank runs the callback; process 0
     writes the checkpoint, with every rank's RNG state gathered to it, as the stock save
@@ -363,6 +365,22 @@ class AioPersistCallback(TrainerCallback):
         if control.should_training_stop:
             self._drain(args)
 
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # The Trainer's closing log (the one with "train_runtime") comes after the last save
+        # and before what reads the checkpoints at the end: load_best_model_at_end
+        # (transformers 5) and the deletion, with save_total_limit=1, of all but the best.
+        # Training can stop after the last on_epoch_end with its last checkpoint still being
+        # written: a stop that a callback decides in on_save, after an epoch's save.
+        if self._trainer is not None and logs is not None and "train_runtime" in logs:
+            self._drain(args)
+
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -385,6 +403,7 @@ class AioPersistCallback(TrainerCallback):
         # An instance attribute shadows the class's method: the Trainer's own calls
         # (self._save_checkpoint) and the JIT manager's reach it; other Trainers do not.
         vars(trainer)["_save_checkpoint"] = functools.partial(self._save_checkpoint, trainer)
+        vars(trainer)["_load_best_model"] = functools.partial(self._load_best_model, trainer)
         for cb in trainer.callback_handler.callbacks:
             manager = getattr(cb, "jit_manager", None)
             if type(cb).__name__ == "JITCheckpointCallback" and manager is not None:
@@ -396,6 +415,7 @@ class AioPersistCallback(TrainerCallback):
     def _detach(self) -> None:
         if self._trainer is not None:
             vars(self._trainer).pop("_save_checkpoint", None)
+            vars(self._trainer).pop("_load_best_model", None)
             self._trainer = None
         if self._jit_manager is not None:
             vars(self._jit_manager).pop("execute_jit_checkpoint", None)
@@ -469,6 +489,13 @@ class AioPersistCallback(TrainerCallback):
             # it complete and rotated, as after a stock save. Only this process waits, as
             # the stock save has no barrier before on_save either.
             self._drain(args, barrier=False)
+
+    def _load_best_model(self, trainer: Trainer) -> None:
+        """``Trainer._load_best_model`` (its class's), once the save in flight is durable:
+        transformers 4 loads the best model before the closing log (see `on_log`), with no
+        event in between."""
+        self._drain(trainer.args)
+        cast(Any, type(trainer))._load_best_model(trainer)
 
     def _durable_for_on_save(self, trainer: Trainer) -> bool:
         """Whether the save must be durable before the other callbacks' ``on_save``
