@@ -34,6 +34,7 @@ deleted too.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -443,7 +444,9 @@ class AioPersistCallback(TrainerCallback):
                 _export_callback_states(trainer)
                 model_files: dict[str, bytes | TorchSave] = {}
                 if self._sharded is None:  # under FSDP the model is a DCP directory
-                    weights, model_files = _model_save(trainer.model, path, _unwrapped(trainer))
+                    weights, model_files = _model_save(
+                        trainer.model, path, _unwrapped(trainer), safe=_saves_safetensors(args)
+                    )
                 files = self._checkpoint_files(trainer, path, rng_files, model_files)
             previous, self._handle = self._handle, None
             if previous is not None:
@@ -773,10 +776,23 @@ def _stock_shard_bytes() -> int:
     return int(parse_size_to_int(default))
 
 
-def _model_save(model: Any, path: str, unwrapped: Any = None) -> tuple[object, dict[str, bytes | TorchSave]]:
+def _saves_safetensors(args: TrainingArguments) -> bool:
+    """Whether the stock save writes the weights as safetensors: always in transformers 5,
+    as ``save_safetensors`` says in 4 (``False``: ``pytorch_model.bin``, which is then the
+    file that ``load_best_model_at_end`` and resuming look for)."""
+    return getattr(args, "save_safetensors", True) is not False
+
+
+def _model_save(
+    model: Any, path: str, unwrapped: Any = None, *, safe: bool = True
+) -> tuple[object, dict[str, bytes | TorchSave]]:
     """What the stock save writes for the model, as ``save_pretrained`` writes it: the
     weights aiopersist writes (``None``: none), and the model's other files.
     ``unwrapped`` is ``model`` unwrapped as ``Trainer._save`` unwraps it (``None``: as is).
+    ``safe=False`` (``save_safetensors=False``, transformers 4): the weights as
+    ``pytorch_model.bin``, as the stock save writes them then: a model's own
+    ``save_pretrained(safe_serialization=False)`` writes them (into the staging directory
+    below), and any other module's state dict is ``torch.save``'d, through the engine.
 
     - A ``PreTrainedModel``: the state dict ``save_pretrained`` writes, without the
       ``_keys_to_ignore_on_save``, tied weights once under the name it keeps, and weight
@@ -796,18 +812,36 @@ def _model_save(model: Any, path: str, unwrapped: Any = None) -> tuple[object, d
     The buffers among the weights are copies (`with_buffers_copied`): the next step's
     forward runs while the weights are written, and may change them."""
     inner = model if unwrapped is None else unwrapped
+    # save_pretrained of transformers 4 takes safe_serialization; 5 writes safetensors only.
+    options: dict[str, Any] = {} if safe else {"safe_serialization": False}
     if inner is not model and (isinstance(inner, PreTrainedModel) or _is_peft(inner)):
         state = model.state_dict()
-        if _saved_by_itself(inner):
-            return None, dict(files_written_by(lambda d: inner.save_pretrained(d, state_dict=state), path))
+        if not safe or _saved_by_itself(inner):
+            return None, dict(
+                files_written_by(lambda d: inner.save_pretrained(d, state_dict=state, **options), path)
+            )
         return _pretrained_save(inner, state, path)
-    if _saved_by_itself(model):
-        return None, dict(files_written_by(model.save_pretrained, path))
+    if (not safe and isinstance(model, PreTrainedModel)) or _saved_by_itself(model):
+        return None, dict(files_written_by(lambda d: model.save_pretrained(d, **options), path))
     if not isinstance(model, PreTrainedModel):
         if not isinstance(model, torch.nn.Module):
             return model, {}
-        return with_buffers_copied(model, model.state_dict()), {}
+        live = model.state_dict()
+        state = with_buffers_copied(model, live)
+        if not safe:
+            return None, {"pytorch_model.bin": TorchSave(_as_state_dict(state, live))}
+        return state, {}
     return _pretrained_save(model, model.state_dict(), path)
+
+
+def _as_state_dict(state: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    """``state`` pickled as ``like`` (a module's ``state_dict()``) is: an ``OrderedDict``
+    with the modules' versions (``_metadata``), which ``load_state_dict`` reads."""
+    out: Any = collections.OrderedDict(state)
+    metadata = getattr(like, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata
+    return cast(dict[str, Any], out)
 
 
 def _pretrained_save(

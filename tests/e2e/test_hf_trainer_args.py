@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,6 +23,7 @@ from tests.e2e.test_hf_trainer import (  # noqa: E402
     BACKENDS,
     StockRun,
     _assert_matches_stock,
+    _NormedLM,
     _trainer,
     _weights,
 )
@@ -146,3 +148,64 @@ def test_a_stop_after_the_last_save_finds_it_complete_at_the_end_as_stock(
     assert gate.entered.is_set()  # the save of checkpoint-8 was held
     _assert_matches_stock(tmp_path / "run", callback, trainer, stock_stopped)
     assert "_load_best_model" not in vars(trainer)
+
+
+needs_save_safetensors = pytest.mark.skipif(
+    "save_safetensors" not in {f.name for f in dataclasses.fields(transformers.TrainingArguments)},
+    reason="transformers 5 has no save_safetensors: it always writes safetensors",
+)
+
+
+def _module() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _NormedLM()
+
+
+@needs_save_safetensors
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pretrained", [True, False], ids=["gpt2", "module"])
+def test_save_safetensors_false_writes_pytorch_model_bin_as_stock(
+    tmp_path: Path, backend: str, pretrained: bool
+) -> None:
+    """``save_safetensors=False`` (transformers 4): the weights are ``pytorch_model.bin``,
+    a ``PreTrainedModel``'s as its ``save_pretrained`` writes them, any other module's
+    state dict as ``torch.save`` writes it; ``load_best_model_at_end`` (which looks for
+    that file) loads the best checkpoint, and the run ends as the stock one."""
+    options: dict[str, Any] = {
+        "save_safetensors": False,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "metric_for_best_model": "loss",
+        "greater_is_better": True,  # the first checkpoint is the best: the one loaded at the end
+        "load_best_model_at_end": True,
+        "save_total_limit": 1,
+        "max_steps": 4,
+    }
+    runs = {}
+    for name, extra in (("stock", []), ("ours", [AioPersistCallback(backend=backend)])):
+        trainer = _trainer(tmp_path / name, extra, **options)
+        if not pretrained:
+            trainer = transformers.Trainer(
+                model=_module(),
+                args=trainer.args,
+                train_dataset=trainer.train_dataset,
+                eval_dataset=trainer.eval_dataset,
+                callbacks=extra,
+            )
+        trainer.train()
+        runs[name] = trainer
+    assert sorted(os.listdir(tmp_path / "ours")) == sorted(os.listdir(tmp_path / "stock")) == ["checkpoint-2"]
+    ours, stock = tmp_path / "ours" / "checkpoint-2", tmp_path / "stock" / "checkpoint-2"
+    assert set(os.listdir(ours)) - {"aiopersist.json"} == set(os.listdir(stock))
+    assert "pytorch_model.bin" in os.listdir(ours)
+    mine = torch.load(ours / "pytorch_model.bin", weights_only=True)
+    theirs = torch.load(stock / "pytorch_model.bin", weights_only=True)
+    assert type(mine) is type(theirs)
+    assert getattr(mine, "_metadata", None) == getattr(theirs, "_metadata", None)
+    assert list(mine) == list(theirs)
+    for key, tensor in theirs.items():
+        assert torch.equal(mine[key], tensor), key
+    got, want = _weights(runs["ours"]), _weights(runs["stock"])  # the best, loaded at the end
+    assert got.keys() == want.keys()
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key
