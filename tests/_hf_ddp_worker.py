@@ -4,10 +4,13 @@ trained by a Hugging Face Trainer under DDP over gloo on CPU.
 ``python -m tests._hf_ddp_worker OUT MODE [BACKEND]`` with MODE ``stock`` (no
 checkpoints), ``callback`` (AioPersistCallback saves every 2 steps), ``model-only`` (the
 same with ``save_only_model``), ``resume`` (a stock Trainer resumes from
-``OUT/callback/checkpoint-4``), ``each-node`` (``save_on_each_node``, which the
-callback refuses) or ``best`` (evaluation every 2 steps, the first checkpoint the best,
-``save_total_limit=1`` and ``load_best_model_at_end``: a stock run, reported as
-``best-stock``, then one with the callback, in the same processes to save a launch).
+``OUT/callback/checkpoint-4``), ``each-node`` (``save_on_each_node`` on one node: a
+stock run, reported as ``each-node-stock``, then one with the callback, in the same
+processes), ``each-node-nodes`` (``save_on_each_node``, launched as two nodes of one
+process each: the callback refuses it) or ``best`` (evaluation every 2 steps, the first
+checkpoint the best, ``save_total_limit=1`` and ``load_best_model_at_end``: a stock run,
+reported as ``best-stock``, then one with the callback, in the same processes to save a
+launch).
 Process 0 writes the final weights to ``OUT/MODE.pt``; process ``i`` writes its report to
 ``OUT/MODE-i.json`` (a file, not a line on the stdout both processes share with the
 Trainer's own prints)."""
@@ -66,8 +69,8 @@ class Diverge(transformers.TrainerCallback):  # type: ignore[misc]
 
 def main(out: str, mode: str, backend: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if mode == "best":
-        _train(out, "best-stock", backend)
+    if mode in ("best", "each-node"):
+        _train(out, f"{mode}-stock", backend)
     _train(out, mode, backend)
 
 
@@ -84,14 +87,17 @@ def _train(out: str, mode: str, backend: str) -> None:
         "save_total_limit": 1,
         "load_best_model_at_end": True,
     }
+    each_node = mode.startswith("each-node")
     args = cpu_training_args(
         run,
-        save_strategy="steps" if mode in ("callback", "model-only", "best", "best-stock") else "no",
-        save_on_each_node=mode == "each-node",
+        save_strategy="steps"
+        if mode in ("callback", "model-only", "best", "best-stock") or each_node
+        else "no",
+        save_on_each_node=each_node,
         save_only_model=mode == "model-only",
-        **(best_args if best else {}),
+        **(best_args if best else {"save_total_limit": 2} if each_node else {}),
     )
-    saving = mode in ("callback", "model-only", "each-node", "best")
+    saving = mode in ("callback", "model-only", "each-node", "each-node-nodes", "best")
     callbacks = [Diverge(), *([AioPersistCallback(backend=backend)] if saving else [])]
     trainer = transformers.Trainer(
         model=model,
@@ -101,7 +107,7 @@ def _train(out: str, mode: str, backend: str) -> None:
         callbacks=callbacks,
     )
     resume = os.path.join(run, "checkpoint-4") if mode == "resume" else None
-    if mode == "each-node":
+    if mode == "each-node-nodes":
         try:
             trainer.train()
         except ValueError as exc:
@@ -128,6 +134,7 @@ def _train(out: str, mode: str, backend: str) -> None:
             "checkpoints": sorted(n for n in os.listdir(run) if n.startswith("checkpoint-"))
             if trainer.args.process_index == 0 and os.path.isdir(run)
             else None,
+            "should_save": trainer.args.should_save,
         },
     )
 

@@ -205,7 +205,7 @@ class AioPersistCallback(TrainerCallback):
 
     Limits (checked at the start of training, with a clear error): one process, DDP or
     FSDP2 with ``SHARDED_STATE_DICT`` (not FSDP1, not ``FULL_STATE_DICT``, not
-    ``save_on_each_node``), no DeepSpeed (its optimizer step runs inside
+    ``save_on_each_node`` across nodes), no DeepSpeed (its optimizer step runs inside
     ``backward``, before any fence could be waited on), a ``Trainer`` whose class keeps
     the stock ``_save_checkpoint`` (an override would be bypassed). With ``push_to_hub``
     the checkpoints are not pushed (a warning says so).
@@ -288,10 +288,7 @@ class AioPersistCallback(TrainerCallback):
                     f"run's parallel mode is {args.parallel_mode.value}"
                 )
             if args.save_on_each_node:
-                raise ValueError(
-                    "AioPersistCallback does not support save_on_each_node: process 0 writes the checkpoint, "
-                    "with every rank's RNG state"
-                )
+                _check_one_saver(args)
         if getattr(args, "deepspeed", None):
             raise ValueError(
                 "AioPersistCallback cannot be used with DeepSpeed: its optimizer step runs inside "
@@ -704,6 +701,23 @@ def _remove_leftovers(run_dir: str) -> None:
             path = os.path.join(run_dir, name)
             log.info("aiopersist: removing %s, left by an interrupted save or deletion", path)
             remove_path(path)
+
+
+def _check_one_saver(args: TrainingArguments) -> None:
+    """Under ``save_on_each_node`` the stock save writes a whole checkpoint from the first
+    process of every node (``should_save``). On one node that is process 0 alone, as with
+    the callback; across nodes it is refused, on every process (the processes tell each
+    other which of them save): process 0 writes the checkpoint, with every process's RNG
+    state, and the other nodes would have none of their own."""
+    savers = gather_objects(args.process_index if args.should_save else None)
+    others = sorted(i for i in savers if i not in (None, 0))
+    if others:
+        raise ValueError(
+            "AioPersistCallback does not support save_on_each_node across nodes: process 0 writes the "
+            "checkpoint, with every process's RNG state, where the stock save also writes one from "
+            f"processes {others} (the first of their nodes); run without save_on_each_node on a shared "
+            "file system, or use the stock save"
+        )
 
 
 def _has_dtensor_parameters(model: Any) -> bool:

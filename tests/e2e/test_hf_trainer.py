@@ -1026,7 +1026,56 @@ def test_under_ddp_save_only_model_writes_the_model_alone(tmp_path: Path) -> Non
         asyncio.run(aiopersist.verify(checkpoint))
 
 
-def test_under_ddp_save_on_each_node_is_refused(tmp_path: Path) -> None:
+def test_under_ddp_save_on_each_node_on_one_node_saves_as_stock(tmp_path: Path) -> None:
+    """``save_on_each_node`` on one node: the stock save writes from the node's first
+    process, process 0, as the callback does; the checkpoints (with ``save_total_limit``)
+    and the final weights are the stock run's. The worker makes the stock run first."""
     outs = _torchrun(tmp_path, "each-node", "threads")
+    stock_outs = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("each-node-stock-[0-9]*.json"))]
+    assert [o["should_save"] for o in stock_outs] == [True, False]
+    for key in ("rank", "world", "checkpoints", "should_save"):
+        assert [o[key] for o in outs] == [o[key] for o in stock_outs], key
+    assert outs[0]["checkpoints"] == ["checkpoint-6", "checkpoint-8"]
+    for name in outs[0]["checkpoints"]:
+        ours, stock = tmp_path / "each-node" / name, tmp_path / "each-node-stock" / name
+        assert set(os.listdir(ours)) - {"aiopersist.json"} == set(os.listdir(stock)), name
+        assert _saved_state(ours) == _saved_state(stock), name
+        asyncio.run(aiopersist.verify(ours))
+    _assert_same_weights(torch.load(tmp_path / "each-node.pt"), torch.load(tmp_path / "each-node-stock.pt"))
+
+
+def test_under_ddp_save_on_each_node_across_nodes_is_refused(tmp_path: Path) -> None:
+    """``save_on_each_node`` on two nodes (two torchrun agents, one process each, on this
+    machine): the stock save would write a checkpoint from each node's first process; the
+    callback refuses it on every process, naming process 1."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def agent(node: int) -> subprocess.Popen[str]:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+            "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+            "-m", "tests._hf_ddp_worker", str(tmp_path), "each-node-nodes", "threads",
+        ]  # fmt: skip
+        root = Path(__file__).resolve().parents[2]
+        return subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    agents = [agent(0), agent(1)]
+    try:
+        results = [agent.communicate(timeout=300) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+            agent.wait()
+    for agent, (_, err) in zip(agents, results, strict=True):
+        assert agent.returncode == 0, err[-3000:]
+    outs = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("each-node-nodes-[0-9]*.json"))]
     assert sorted(o["rank"] for o in outs) == [0, 1]
-    assert all("save_on_each_node" in o["refused"] for o in outs), outs
+    for o in outs:
+        assert "save_on_each_node across nodes" in o["refused"], o
+        assert "processes [1]" in o["refused"], o
