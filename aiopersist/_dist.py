@@ -123,6 +123,77 @@ _MAX_CATCH_UP = 8
 gave up on (see `Coordinator.exchange`)."""
 
 
+class StoreTimeoutError(RuntimeError):
+    """The job's store (``torch.distributed``'s key-value store) did not answer within
+    ``AIOPERSIST_DIST_TIMEOUT`` seconds."""
+
+
+_CAS_SECONDS = 5.0
+"""How long a failed gather waits, at most, for the store to move the mesh to its next
+generation (the store may be what failed: it is not waited for a whole timeout again)."""
+
+
+def _bounded(
+    fn: Callable[..., Any],
+    *args: Any,
+    what: str,
+    seconds: float | None = None,
+    discard: Callable[[Any], None] | None = None,
+) -> Any:
+    """``fn(*args)`` (a call into the job's store), waited for at most ``seconds``
+    (``AIOPERSIST_DIST_TIMEOUT`` by default); `StoreTimeoutError` saying ``what`` did not
+    end after that.
+
+    The store's own calls wait without a bound for an answer (``add``, ``compare_set``,
+    ``set``: their timeout is for keys that do not exist yet): a stopped process that
+    holds the store (rank 0 under ``init_method="tcp://..."`` or ``env://`` without
+    torchrun; SIGSTOP, a debugger, a machine swapping) would hang every other rank's save
+    for good. The call runs in a daemon thread of its own, which is abandoned on the
+    timeout: it ends when the store answers (``discard`` then gets its result), or with
+    the process. Later calls into the same store client wait behind it, and fail the same
+    way."""
+    limit = _knobs.dist_timeout() if seconds is None else seconds
+    done = threading.Event()
+    box: list[Any] = []
+    abandoned = False
+    lock = threading.Lock()
+
+    def call() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            box.append(exc)
+            done.set()
+            return
+        with lock:
+            late = abandoned
+            if not late:
+                box.append(result)
+        done.set()
+        if late and discard is not None:
+            with contextlib.suppress(Exception):
+                discard(result)
+
+    threading.Thread(target=call, name="aiopersist-store", daemon=True).start()
+    if not done.wait(limit):
+        with lock:
+            abandoned = not box
+        if abandoned:
+            raise StoreTimeoutError(
+                f"{what}: the job's store (torch.distributed's) did not answer within {limit:.0f} s: "
+                "the process that holds it (rank 0, or the launcher's agent) is stopped, hung or unreachable"
+            )
+    (result,) = box
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _shut_down(pg: Any) -> None:
+    """A gloo group made after its gather gave up on it: shut down (its threads end)."""
+    pg.shutdown()
+
+
 class _Mesh:
     """The checkpoint's gloo mesh over the ranks of one group: ``rank`` of ``size``.
 
@@ -136,10 +207,10 @@ class _Mesh:
     every gather for good. Gathers of one mesh run one at a time."""
 
     def __init__(self, store: Any, rank: int, size: int, name: str) -> None:
-        from torch.distributed import distributed_c10d as c10d
-
-        made = int(store.add(f"aiopersist/{name}/made/{rank}", 1))
-        self.store = c10d.PrefixStore(f"aiopersist/{name}/{made}/", store)
+        self._job_store = store
+        self._name = name
+        self.store: Any = None
+        """The mesh's own keys in the job's store: made by the first gather (`_keys`)."""
         self.rank = rank
         self.size = size
         self._pg: Any = None
@@ -168,23 +239,60 @@ class _Mesh:
             from torch.distributed import distributed_c10d as c10d
 
             try:
-                generation = int(self.store.add("generation", 0))
+                store = self._keys()
+                generation = int(_bounded(store.add, "generation", 0, what="reading the mesh's generation"))
                 try:
                     if self._pg is None or generation != self._generation:
                         self._close()
-                        timeout = datetime.timedelta(seconds=_knobs.dist_timeout())
-                        prefixed = c10d.PrefixStore(f"{generation}/", self.store)
-                        self._pg = c10d.ProcessGroupGloo(prefixed, self.rank, self.size, timeout)
+                        seconds = _knobs.dist_timeout()
+                        prefixed = c10d.PrefixStore(f"{generation}/", store)
+                        self._pg = _bounded(
+                            c10d.ProcessGroupGloo,
+                            prefixed,
+                            self.rank,
+                            self.size,
+                            datetime.timedelta(seconds=seconds),
+                            what="connecting the ranks' gloo mesh",
+                            seconds=seconds,
+                            discard=_shut_down,
+                        )
                         self._generation = generation
                     return self._gather(obj)
-                except RuntimeError:
+                except RuntimeError as exc:
                     self._close()
-                    with contextlib.suppress(RuntimeError):  # the store itself gone: rank 0 died
-                        self.store.compare_set("generation", str(generation), str(generation + 1))
+                    if not isinstance(exc, StoreTimeoutError):  # else it would wait again
+                        # The store itself gone (rank 0 died), or not answering: the next
+                        # gather fails on it too.
+                        with contextlib.suppress(RuntimeError):
+                            _bounded(
+                                store.compare_set,
+                                "generation",
+                                str(generation),
+                                str(generation + 1),
+                                what="moving the mesh to its next generation",
+                                seconds=min(_knobs.dist_timeout(), _CAS_SECONDS),
+                            )
                     raise
             finally:
                 if self._close_after:
                     self._close()
+
+    def _keys(self) -> Any:
+        """`store`, made at the first gather: a store that does not answer fails that
+        gather (`_bounded`) rather than the caller's thread (an event loop) for good."""
+        if self.store is None:
+            from torch.distributed import distributed_c10d as c10d
+
+            made = int(
+                _bounded(
+                    self._job_store.add,
+                    f"aiopersist/{self._name}/made/{self.rank}",
+                    1,
+                    what="numbering this rank's meshes",
+                )
+            )
+            self.store = c10d.PrefixStore(f"aiopersist/{self._name}/{made}/", self._job_store)
+        return self.store
 
     def _gather(self, obj: Any) -> list[Any]:
         data = pickle.dumps(obj)

@@ -306,6 +306,43 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         except Exception as exc:
             outcome["last barrier"] = f"{type(exc).__name__}: {exc}"
         return outcome
+    if name == "store-stopped":
+        # Rank 0 holds the job's store (init_method="tcp://...") and is stopped (SIGSTOP,
+        # here sent by rank 1) before its next save: rank 1's save must fail within
+        # AIOPERSIST_DIST_TIMEOUT (the store's own calls wait for an answer without a
+        # bound: the old code hung there until rank 0 went on). A watchdog continues
+        # rank 0 after a while all the same, so that the old code ends too. Then rank 0,
+        # late, comes to the save rank 1 gave up, and both save together again.
+        import signal
+        import threading
+        import time
+
+        store = dist.distributed_c10d._get_default_store()
+        outcome = {}
+        await aiopersist.save({"w": torch.ones(1000)}, paths[0] + "-Z", backend=backend)  # the mesh is made
+        if rank == 0:
+            store.set("pid of rank 0", str(os.getpid()))
+            await asyncio.to_thread(store.wait, ["rank 0 continued"], datetime.timedelta(seconds=120))
+        else:
+            pid = int(store.get("pid of rank 0"))
+            os.kill(pid, signal.SIGSTOP)
+            watchdog = threading.Timer(
+                4 * float(os.environ["AIOPERSIST_DIST_TIMEOUT"]), os.kill, (pid, signal.SIGCONT)
+            )
+            watchdog.start()
+            start = time.monotonic()
+        for save in ("A", "B"):
+            try:
+                await aiopersist.save({"a": torch.ones(1000)}, paths[0] + "-" + save, backend=backend)
+                outcome[save] = "ok"
+            except Exception as exc:
+                outcome[save] = f"{type(exc).__name__}: {exc}"
+            if rank == 1 and save == "A":
+                outcome["seconds"] = time.monotonic() - start
+                watchdog.cancel()
+                os.kill(pid, signal.SIGCONT)
+                store.set("rank 0 continued", "")
+        return outcome
     if name == "subgroups-come-and-go":
         # A subgroup made, saved through and destroyed, again and again: the checkpoint's
         # mesh of each goes with it (the old code kept every one, and its gloo threads,

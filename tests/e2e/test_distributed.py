@@ -348,6 +348,24 @@ def test_ranks_a_skipped_exchange_apart_meet_again(tmp_path: Path) -> None:
     _no_leftovers(tmp_path)
 
 
+def test_a_stopped_rank_holding_the_store_does_not_hang_the_others(tmp_path: Path) -> None:
+    """Rank 0 holds the job's store and is stopped (SIGSTOP) before a save: rank 1 fails
+    that save within AIOPERSIST_DIST_TIMEOUT, saying the store did not answer (the store's
+    calls have no bound of their own: the old code hung until rank 0 was continued, here
+    by a watchdog after 4 timeouts). Once rank 0 goes on, the ranks save together again."""
+    outs = run_ranks("store-stopped", tmp_path, "threads", AIOPERSIST_DIST_TIMEOUT="5")
+    assert [o["rc"] for o in outs] == [0, 0], outs
+    first, second = outs[0]["ok"], outs[1]["ok"]
+    assert second["A"].startswith("RankFailedError: rank 1: exchanging checkpoint metadata"), outs
+    assert "the job's store (torch.distributed's) did not answer within 5 s" in second["A"], outs
+    assert second["seconds"] < 15, outs  # one timeout, not the watchdog's four
+    assert first["A"].startswith("RankFailedError: the ranks are not at the same save"), outs
+    assert first["B"] == second["B"] == "ok", outs
+    assert not (tmp_path / "a" / "ck-A").exists()
+    assert (tmp_path / "a" / "ck-B").is_dir()
+    _no_leftovers(tmp_path)
+
+
 def test_a_subgroup_s_mesh_goes_with_it(tmp_path: Path) -> None:
     outs = run_ranks("subgroups-come-and-go", tmp_path, "threads")
     assert [o["rc"] for o in outs] == [0, 0], outs
