@@ -232,15 +232,16 @@ class _Mesh:
         """Number the next exchange ``number`` (see `Coordinator._step_again`)."""
         self._numbers = itertools.count(number)
 
-    def gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: Any, at: str = "") -> list[Any]:
         """Every rank's ``obj`` (pickled), by rank. Raises ``RuntimeError`` when the mesh
-        cannot be made or the gather fails; the next gather uses a new mesh."""
+        cannot be made or the gather fails; the next gather uses a new mesh. ``at`` says
+        which exchange this is, for `absent` on the other ranks."""
         with self._lock:
             from torch.distributed import distributed_c10d as c10d
 
             try:
                 store = self._keys()
-                generation = int(_bounded(store.add, "generation", 0, what="reading the mesh's generation"))
+                generation = int(_bounded(self._arrive, store, at, what="reading the mesh's generation"))
                 try:
                     if self._pg is None or generation != self._generation:
                         self._close()
@@ -276,6 +277,39 @@ class _Mesh:
             finally:
                 if self._close_after:
                     self._close()
+
+    def _arrive(self, store: Any, at: str) -> int:
+        """Say in the store that this rank is at exchange ``at``; the mesh's generation."""
+        store.set(f"at/{self.rank}", at)
+        return int(store.add("generation", 0))
+
+    def absent(self, at: str) -> str:
+        """Which ranks are not at exchange ``at`` (by what each said last in the store), in
+        words, for the message of a gather that failed there: ``""`` when every rank came
+        to it (one was lost during it)."""
+        store = self.store
+        if store is None:
+            return ""
+
+        def said() -> list[str | None]:
+            # A get of a key not set yet would wait for it: checked first.
+            keys = [f"at/{r}" for r in range(self.size)]
+            return [store.get(k).decode(errors="replace") if store.check([k]) else None for k in keys]
+
+        try:
+            where = _bounded(said, what="asking where the ranks are", seconds=_CAS_SECONDS)
+        except RuntimeError:
+            # Gone with the process that held it, most often: rank 0, unless torchrun's agent holds it.
+            return (
+                "; the job's store does not answer either (is the process that holds it, often rank 0, gone?)"
+            )
+        away = [(r, last) for r, last in enumerate(where) if r != self.rank and last != at]
+        return "".join(
+            f"; rank {r} did not come to it (its last exchange: {last})"
+            if last is not None
+            else f"; rank {r} has made no exchange here yet"
+            for r, last in away
+        )
 
     def _keys(self) -> Any:
         """`store`, made at the first gather: a store that does not answer fails that
@@ -446,11 +480,13 @@ class Coordinator:
         for attempt in range(_MAX_CATCH_UP):
             outcome = dataclasses.replace(outcome, given_up=tuple(self.mesh.given_up), attempt=attempt)
             try:
-                raw = self.mesh.gather(outcome)
+                raw = self.mesh.gather(outcome, outcome.tag)
             except RuntimeError as exc:  # gloo's timeouts and lost peers
+                where = "" if isinstance(exc, StoreTimeoutError) else self.mesh.absent(outcome.tag)
                 raise RankFailedError(
                     f"rank {self.rank}: exchanging checkpoint metadata with the other ranks failed "
-                    f"(a rank died or did not come within {_knobs.dist_timeout():.0f} s): {exc}"
+                    f"(a rank died or did not come within {_knobs.dist_timeout():.0f} s) "
+                    f"at exchange {outcome.tag}{where}: {exc}"
                 ) from exc
             gathered = [
                 o if isinstance(o, _Outcome) else _Outcome(r, None, None, f"another ({type(o).__name__})")

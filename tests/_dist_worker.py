@@ -306,6 +306,34 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         except Exception as exc:
             outcome["last barrier"] = f"{type(exc).__name__}: {exc}"
         return outcome
+    if name in ("killed-while-writing", "restarted"):
+        # A complete checkpoint, then rank 1 is killed (SIGKILL) while it writes its share
+        # of the next save, which overwrites it: rank 0 must fail at once, naming rank 1
+        # as the one that did not come; the complete checkpoint stays. "restarted": the
+        # job started again over the same directories loads it and saves again.
+        import signal
+
+        import aiopersist._save as save_module
+
+        state = {f"t{i}": torch.full((1000,), 1.0) for i in range(4)}
+        if name == "restarted":
+            back = await aiopersist.load(paths[0], backend=backend)
+            await aiopersist.save(back, paths, replicated=True, backend=backend, overwrite=True)
+            return {"loaded": sorted({float(t[0]) for t in back.values()})}
+        await aiopersist.save(state, paths, replicated=True, backend=backend)
+        if rank == 1:
+
+            async def killed(*args: Any, **kwargs: Any) -> Any:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            save_module._write_mine = killed
+        try:
+            await aiopersist.save(
+                {k: v + 1 for k, v in state.items()}, paths, replicated=True, backend=backend, overwrite=True
+            )
+        except aiopersist.RankFailedError as exc:
+            return {"error": str(exc)}
+        return {}
     if name == "store-stopped":
         # Rank 0 holds the job's store (init_method="tcp://...") and is stopped (SIGSTOP,
         # here sent by rank 1) before its next save: rank 1's save must fail within

@@ -348,6 +348,33 @@ def test_ranks_a_skipped_exchange_apart_meet_again(tmp_path: Path) -> None:
     _no_leftovers(tmp_path)
 
 
+def test_a_rank_killed_while_writing_is_named_and_the_job_resumes(tmp_path: Path) -> None:
+    """Rank 1 is killed (SIGKILL) while writing its share of an overwrite: rank 0 fails
+    at once, and its error names rank 1 as the rank that did not come to the exchange
+    (the old message named no rank: "a rank died or did not come"). The checkpoint it
+    was replacing is whole, nothing of the failed save is left, and the job started
+    again over the same directories loads it and saves again."""
+    outs = run_ranks("killed-while-writing", tmp_path, "threads", AIOPERSIST_DIST_TIMEOUT="60")
+    assert outs[1]["rc"] == -9, outs
+    assert outs[0]["rc"] == 0, outs
+    error = outs[0]["ok"]["error"]
+    assert error.startswith("rank 0: exchanging checkpoint metadata with the other ranks failed"), outs
+    assert "; rank 1 did not come to it (its last exchange: " in error, outs
+    back = aiopersist.load_sync(tmp_path / "a" / "ck")
+    assert all(torch.equal(t, torch.ones(1000)) for t in back.values())
+    _no_leftovers_but_the_checkpoint(tmp_path)
+    outs = run_ranks("restarted", tmp_path, "threads", AIOPERSIST_DIST_TIMEOUT="60")
+    assert [o.get("ok") for o in outs] == [{"loaded": [1.0]}, {"loaded": [1.0]}], outs
+    asyncio.run(aiopersist.verify(tmp_path / "a" / "ck"))
+    _no_leftovers_but_the_checkpoint(tmp_path)
+
+
+def _no_leftovers_but_the_checkpoint(base: Path) -> None:
+    """No temporary directory, and one part: the checkpoint's own."""
+    assert not [p for p in base.rglob("*") if ".aiopersist-tmp-" in p.name]
+    assert len(list((base / "b" / "ck").iterdir())) == 1
+
+
 def test_a_stopped_rank_holding_the_store_does_not_hang_the_others(tmp_path: Path) -> None:
     """Rank 0 holds the job's store and is stopped (SIGSTOP) before a save: rank 1 fails
     that save within AIOPERSIST_DIST_TIMEOUT, saying the store did not answer (the store's
