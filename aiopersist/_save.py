@@ -53,10 +53,16 @@ from ._commit import (
 )
 from ._direct import DirectIOInfo, probe_directory
 from ._dist import FAILURES, Coordinator, Exchanges, coordinator
-from ._exceptions import CheckpointCorruptError, UnsupportedStateError, maps_os_errors
+from ._exceptions import (
+    AiopersistError,
+    CheckpointCorruptError,
+    RankFailedError,
+    UnsupportedStateError,
+    maps_os_errors,
+)
 from ._flatten import Flattened, flatten
 from ._format import dtype_from_name, layout_file, supported_dtype
-from ._locate import PathArg, checkpoint_paths, own_parts, token_at
+from ._locate import PathArg, checkpoint_paths, own_parts, read_manifest, token_at
 from ._manifest import (
     FileRecord,
     Manifest,
@@ -622,6 +628,7 @@ async def save_state(
     final = paths[0]
     token = uuid.uuid4().hex[:12]
     committed = False
+    at_commit = False
 
     exchange = Exchanges(coord, save_label(final))
 
@@ -697,6 +704,7 @@ async def save_state(
                 else:
                     for old in old_parts:
                         discard(old)
+        at_commit = True
         await exchange(None, commit_error)
     except BaseException as exc:
         # Once the primary is renamed into place the checkpoint is complete: its parts stay,
@@ -705,6 +713,10 @@ async def save_state(
             await to_thread_to_the_end(_abort, final, token, paths)
         elif rank == 0:
             exc.add_note(f"aiopersist: the checkpoint {final} was committed before this failure")
+        elif at_commit and isinstance(exc, RankFailedError) and isinstance(exc.__cause__, RuntimeError):
+            # Contact lost while rank 0 committed (not a failure it told): what is on disk says.
+            records = [w.record for per_rank in written for w in per_rank]
+            exc.add_note(await asyncio.to_thread(_commit_seen, final, token, len(paths) > 1, records))
         raise
     records = [w.record for w in written[rank]] + extras
     return SaveInfo(
@@ -891,6 +903,31 @@ def _manifest_files(
 def _directories(paths: Sequence[str], token: str) -> tuple[str, ...]:
     """The manifest's directories: the primary, then the parts, relative to the primary."""
     return (".", *(os.path.relpath(p, paths[0]) for p in own_parts(paths, token)))
+
+
+def _commit_seen(final: str, token: str, several: bool, records: Sequence[FileRecord]) -> str:
+    """What a rank other than 0, which lost contact with the others while rank 0 committed
+    the save to ``final`` (its ``token``; ``several`` directories; every rank's data files
+    ``records``), finds on disk, as a note for its error."""
+    try:
+        manifest = read_manifest(final)
+    except (AiopersistError, OSError):
+        manifest = None
+    if manifest is not None and (
+        manifest.token == token
+        if several
+        else bool(records)
+        and all((r.nbytes, r.checksum) == _size_and_sum(manifest.files.get(r.name)) for r in records)
+    ):
+        return f"aiopersist: the checkpoint {final} was committed by rank 0 before contact was lost"
+    return (
+        f"aiopersist: the checkpoint {final} was not committed when contact was lost "
+        "(if rank 0 is only stopped, it may still commit it)"
+    )
+
+
+def _size_and_sum(record: FileRecord | None) -> tuple[int, str] | None:
+    return None if record is None else (record.nbytes, record.checksum)
 
 
 def _abort(final: str, token: str, paths: Sequence[str]) -> None:

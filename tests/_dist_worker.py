@@ -334,6 +334,39 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         except aiopersist.RankFailedError as exc:
             return {"error": str(exc)}
         return {}
+    if name in ("rank0-killed-committing", "rank0-killed-after-commit"):
+        # Rank 0 is killed (SIGKILL) while it commits an overwrite: before the rename (two
+        # directories), or right after it (one directory). Rank 1 loses contact at the
+        # commit's exchange, and its error says what it finds on disk.
+        import signal
+
+        import aiopersist._save as save_module
+
+        after = name == "rank0-killed-after-commit"
+        where = paths[:1] if after else paths
+        await aiopersist.save(
+            {"t": torch.ones(1000), "u": torch.ones(1000)}, where, replicated=True, backend=backend
+        )
+        if rank == 0:
+            publish = save_module.publish_with_parts
+
+            def killed(*args: Any) -> None:
+                if after:
+                    publish(*args)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            save_module.publish_with_parts = killed
+        try:
+            await aiopersist.save(
+                {"t": torch.full((1000,), 2.0), "u": torch.full((1000,), 2.0)},
+                where,
+                replicated=True,
+                backend=backend,
+                overwrite=True,
+            )
+        except aiopersist.RankFailedError as exc:
+            return {"error": str(exc), "notes": getattr(exc, "__notes__", [])}
+        return {}
     if name == "store-stopped":
         # Rank 0 holds the job's store (init_method="tcp://...") and is stopped (SIGSTOP,
         # here sent by rank 1) before its next save: rank 1's save must fail within

@@ -375,6 +375,25 @@ def _no_leftovers_but_the_checkpoint(base: Path) -> None:
     assert len(list((base / "b" / "ck").iterdir())) == 1
 
 
+@pytest.mark.parametrize("when", ["committing", "after-commit"])
+def test_a_rank_that_loses_rank_0_during_the_commit_says_whether_it_committed(
+    tmp_path: Path, when: str
+) -> None:
+    """Rank 0 is killed while it commits an overwrite, before its rename (two
+    directories) or right after it (one directory): rank 1 fails at once and its error
+    says, from what is on disk, whether the checkpoint was committed (the old error said
+    nothing: rank 1 could not tell). Either way one whole checkpoint is there."""
+    outs = run_ranks(f"rank0-killed-{when}", tmp_path, "threads", AIOPERSIST_DIST_TIMEOUT="60")
+    assert outs[0]["rc"] == -9, outs
+    assert outs[1]["rc"] == 0, outs
+    notes = outs[1]["ok"]["notes"]
+    committed = when == "after-commit"
+    said = "was committed by rank 0 before contact was lost" if committed else "was not committed"
+    assert any(said in n for n in notes), outs
+    back = aiopersist.load_sync(tmp_path / "a" / "ck")
+    assert torch.equal(back["t"], torch.full((1000,), 2.0 if committed else 1.0))
+
+
 def test_a_stopped_rank_holding_the_store_does_not_hang_the_others(tmp_path: Path) -> None:
     """Rank 0 holds the job's store and is stopped (SIGSTOP) before a save: rank 1 fails
     that save within AIOPERSIST_DIST_TIMEOUT, saying the store did not answer (the store's
