@@ -254,7 +254,8 @@ class _Mesh:
                             self.size,
                             datetime.timedelta(seconds=seconds),
                             what="connecting the ranks' gloo mesh",
-                            seconds=seconds,
+                            # gloo's own error first, where a rank did not come (at `seconds`)
+                            seconds=seconds + _CAS_SECONDS,
                             discard=_shut_down,
                         )
                         self._generation = generation
