@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import sys
+from typing import Any
 
 from accelerate import Accelerator
 
@@ -124,10 +125,64 @@ def one_directory_taken(base: str) -> None:
     accelerator.wait_for_everyone()
 
 
+def stopped_after_check(base: str) -> None:
+    """Automatic naming. Process 1 is stopped (SIGSTOP) right after the check that its
+    save_state's directory is free: process 0 must fail with RankFailedError within
+    AIOPERSIST_DIST_TIMEOUT (the training's own barrier there waited for the process
+    group's timeout, here 30 s; 30 minutes by default). Process 0 prints what it got,
+    then kills process 1."""
+    import datetime
+    import signal
+    import time
+
+    import torch
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+
+    import aiopersist._dist as dist_module
+    from aiopersist.integrations.accelerate import save_state_blocking
+
+    config = ProjectConfiguration(os.path.join(base, "project"), automatic_checkpoint_naming=True)
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=config,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=30))],
+    )
+    rank = accelerator.process_index
+    model = accelerator.prepare(torch.nn.Linear(8, 8))
+    del model
+    outcome: dict[str, Any] = {}
+    with aiopersist.BlockingCheckpointer() as ck:
+        save_state_blocking(accelerator, checkpointer=ck).wait()
+        if rank == 1:
+            check_all = dist_module.Coordinator.check_all
+
+            def stopped(self: Any, *args: Any) -> None:
+                check_all(self, *args)
+                with open(os.path.join(base, "pid-1"), "w") as f:
+                    f.write(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+            dist_module.Coordinator.check_all = stopped  # type: ignore[method-assign]
+        start = time.monotonic()
+        try:
+            save_state_blocking(accelerator, checkpointer=ck).wait()
+            outcome["second"] = "ok"
+        except Exception as exc:
+            outcome["second"] = f"{type(exc).__name__}: {exc}"
+        outcome["seconds"] = time.monotonic() - start
+    sys.stdout.write(json.dumps({"rank": rank, **outcome}) + "\n")
+    sys.stdout.flush()
+    with open(os.path.join(base, "pid-1")) as f:
+        os.kill(int(f.read()), signal.SIGKILL)
+
+
 def main() -> None:
     base = sys.argv[1]
     if sys.argv[2:] == ["one-directory-taken"]:
         one_directory_taken(base)
+        return
+    if sys.argv[2:] == ["stopped-after-check"]:
+        stopped_after_check(base)
         return
     if sys.argv[2:] == ["save-state"]:
         save_state_and_restore(base)

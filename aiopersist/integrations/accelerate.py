@@ -144,7 +144,7 @@ def _work_outside_checkpoints(accelerator: Any) -> None:
     loads the one with the highest number, the rotation counts and deletes them), so a
     save in flight or killed must leave nothing there. The first time in a process,
     process 0 removes what interrupted saves and deletions left in `WORK_PLACE`, before the
-    barrier of `_target` (no process stages anything there before it).
+    barrier of `_prepare`'s check (no process stages anything there before it).
 
     Only where a directory made there can be renamed into ``checkpoints/``: both on the
     same mount (a bind mount of the same disk has the same device number, and still
@@ -486,11 +486,13 @@ def _prepare(
         # wait for the failed one at the next collective, as the stock save_state would.
         coord = coordinator()
         assert coord is not None
+        # Also the barrier that save_state makes with automatic naming once the directory
+        # is known free: every process has checked its own when this returns. (The
+        # training's own barrier there, accelerator.wait_for_everyone(), waited for a
+        # stopped process until the process group's timeout, 30 minutes by default.)
         coord.check_all(error, "save_state")
     elif error is not None:
         raise error
-    if accelerator.project_configuration.automatic_checkpoint_naming:
-        accelerator.wait_for_everyone()  # as save_state, once the directory is known free
     if _is_fsdp(accelerator):
         return _Prepared(target, replace, sharded=_save_fsdp(accelerator, checkpointer, target, replace))
     model_state, extra, group, writes = _plan(accelerator, target, safe_serialization)

@@ -551,6 +551,30 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def test_a_process_stopped_in_save_state_fails_the_others_within_the_timeout(tmp_path: Path) -> None:
+    """Automatic naming: process 1 is stopped (SIGSTOP) right after save_state's check
+    that its directory is free. Process 0 raises RankFailedError naming it within
+    AIOPERSIST_DIST_TIMEOUT (5 s); the old code waited in the training's own barrier
+    (accelerator.wait_for_everyone) for the process group's timeout (30 s here, 30
+    minutes by default), then raised torch's error. The first checkpoint stays."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    proc = subprocess.run(
+        [
+            str(accelerate), "launch", "--config_file", str(CONFIG), "--main_process_port", str(_free_port()),
+            "-m", "tests._accelerate_worker", str(tmp_path), "stopped-after-check",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+        env={**os.environ, "AIOPERSIST_DIST_TIMEOUT": "5"},
+    )  # fmt: skip
+    outs = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert [o["rank"] for o in outs] == [0], (outs, proc.stderr[-3000:])  # process 1 was killed stopped
+    second = outs[0]["second"]
+    assert second.startswith("RankFailedError: rank 0: exchanging checkpoint metadata"), outs
+    assert "rank 1 did not come to it" in second, outs
+    assert outs[0]["seconds"] < 25, outs  # within the timeout, not the process group's 30 s
+    assert os.listdir(tmp_path / "project" / "checkpoints") == ["checkpoint_0"]
+
+
 @pytest.mark.parametrize("api", ["blocking", "async"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_save_state_under_fsdp2_is_the_stock_layout_and_load_state_restores_it(
