@@ -133,6 +133,61 @@ _CAS_SECONDS = 5.0
 generation (the store may be what failed: it is not waited for a whole timeout again)."""
 
 
+class _StoreCall:
+    """``fn(*args)`` (a call into the job's store), started at once in a daemon thread of
+    its own; `result` waits for it with a bound.
+
+    The store's own calls wait without a bound for an answer (``add``, ``compare_set``,
+    ``set``: their timeout is for keys that do not exist yet): a stopped process that
+    holds the store (rank 0 under ``init_method="tcp://..."`` or ``env://`` without
+    torchrun; SIGSTOP, a debugger, a machine swapping) would hang every other rank's save
+    for good. A call given up on goes on in its thread: it ends when the store answers
+    (``discard`` then gets its result, unless `result` is asked again and takes it), or
+    with the process. Later calls into the same store client wait behind it."""
+
+    def __init__(
+        self, fn: Callable[..., Any], *args: Any, discard: Callable[[Any], None] | None = None
+    ) -> None:
+        self._done = threading.Event()
+        self._box: list[Any] = []
+        self._lock = threading.Lock()
+        self._given_up = False
+        self._discard = discard
+        threading.Thread(target=self._call, args=(fn, *args), name="aiopersist-store", daemon=True).start()
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            result = exc
+        with self._lock:
+            self._box.append(result)
+            late = self._given_up and not isinstance(result, BaseException)
+        self._done.set()
+        if late and self._discard is not None:
+            with contextlib.suppress(Exception):
+                self._discard(result)
+
+    def result(self, what: str, seconds: float | None = None) -> Any:
+        """The call's result (its exception raised), waited for at most ``seconds``
+        (``AIOPERSIST_DIST_TIMEOUT`` by default); `StoreTimeoutError` saying ``what`` did
+        not end after that."""
+        limit = _knobs.dist_timeout() if seconds is None else seconds
+        self._done.wait(limit)
+        with self._lock:
+            if not self._box:
+                self._given_up = True
+                raise StoreTimeoutError(
+                    f"{what}: the job's store (torch.distributed's) did not answer within {limit:.0f} s: the "
+                    "process that holds it (rank 0, or the launcher's agent) is stopped, hung or unreachable"
+                )
+            self._given_up = False
+            (result,) = self._box
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+
 def _bounded(
     fn: Callable[..., Any],
     *args: Any,
@@ -140,53 +195,9 @@ def _bounded(
     seconds: float | None = None,
     discard: Callable[[Any], None] | None = None,
 ) -> Any:
-    """``fn(*args)`` (a call into the job's store), waited for at most ``seconds``
-    (``AIOPERSIST_DIST_TIMEOUT`` by default); `StoreTimeoutError` saying ``what`` did not
-    end after that.
-
-    The store's own calls wait without a bound for an answer (``add``, ``compare_set``,
-    ``set``: their timeout is for keys that do not exist yet): a stopped process that
-    holds the store (rank 0 under ``init_method="tcp://..."`` or ``env://`` without
-    torchrun; SIGSTOP, a debugger, a machine swapping) would hang every other rank's save
-    for good. The call runs in a daemon thread of its own, which is abandoned on the
-    timeout: it ends when the store answers (``discard`` then gets its result), or with
-    the process. Later calls into the same store client wait behind it, and fail the same
-    way."""
-    limit = _knobs.dist_timeout() if seconds is None else seconds
-    done = threading.Event()
-    box: list[Any] = []
-    abandoned = False
-    lock = threading.Lock()
-
-    def call() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as exc:
-            box.append(exc)
-            done.set()
-            return
-        with lock:
-            late = abandoned
-            if not late:
-                box.append(result)
-        done.set()
-        if late and discard is not None:
-            with contextlib.suppress(Exception):
-                discard(result)
-
-    threading.Thread(target=call, name="aiopersist-store", daemon=True).start()
-    if not done.wait(limit):
-        with lock:
-            abandoned = not box
-        if abandoned:
-            raise StoreTimeoutError(
-                f"{what}: the job's store (torch.distributed's) did not answer within {limit:.0f} s: "
-                "the process that holds it (rank 0, or the launcher's agent) is stopped, hung or unreachable"
-            )
-    (result,) = box
-    if isinstance(result, BaseException):
-        raise result
-    return result
+    """``fn(*args)``, a call into the job's store, waited for at most ``seconds``
+    (``AIOPERSIST_DIST_TIMEOUT`` by default): see `_StoreCall`."""
+    return _StoreCall(fn, *args, discard=discard).result(what, seconds)
 
 
 def _shut_down(pg: Any) -> None:
@@ -211,6 +222,7 @@ class _Mesh:
         self._name = name
         self.store: Any = None
         """The mesh's own keys in the job's store: made by the first gather (`_keys`)."""
+        self._made: _StoreCall | None = None
         self.rank = rank
         self.size = size
         self._pg: Any = None
@@ -318,14 +330,11 @@ class _Mesh:
         if self.store is None:
             from torch.distributed import distributed_c10d as c10d
 
-            made = int(
-                _bounded(
-                    self._job_store.add,
-                    f"aiopersist/{self._name}/made/{self.rank}",
-                    1,
-                    what="numbering this rank's meshes",
-                )
-            )
+            if self._made is None:
+                # Made once: one given up on still counts when the store answers, and is
+                # waited for again at the next gather rather than counted twice.
+                self._made = _StoreCall(self._job_store.add, f"aiopersist/{self._name}/made/{self.rank}", 1)
+            made = int(self._made.result("numbering this rank's meshes"))
             self.store = c10d.PrefixStore(f"aiopersist/{self._name}/{made}/", self._job_store)
         return self.store
 

@@ -367,7 +367,7 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         except aiopersist.RankFailedError as exc:
             return {"error": str(exc), "notes": getattr(exc, "__notes__", [])}
         return {}
-    if name == "store-stopped":
+    if name in ("store-stopped", "store-stopped-first"):
         # Rank 0 holds the job's store (init_method="tcp://...") and is stopped (SIGSTOP,
         # here sent by rank 1) before its next save: rank 1's save must fail within
         # AIOPERSIST_DIST_TIMEOUT (the store's own calls wait for an answer without a
@@ -380,7 +380,8 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
 
         store = dist.distributed_c10d._get_default_store()
         outcome = {}
-        await aiopersist.save({"w": torch.ones(1000)}, paths[0] + "-Z", backend=backend)  # the mesh is made
+        if name == "store-stopped":  # else rank 0 is stopped before the mesh is made
+            await aiopersist.save({"w": torch.ones(1000)}, paths[0] + "-Z", backend=backend)
         if rank == 0:
             store.set("pid of rank 0", str(os.getpid()))
             await asyncio.to_thread(store.wait, ["rank 0 continued"], datetime.timedelta(seconds=120))

@@ -394,12 +394,16 @@ def test_a_rank_that_loses_rank_0_during_the_commit_says_whether_it_committed(
     assert torch.equal(back["t"], torch.full((1000,), 2.0 if committed else 1.0))
 
 
-def test_a_stopped_rank_holding_the_store_does_not_hang_the_others(tmp_path: Path) -> None:
-    """Rank 0 holds the job's store and is stopped (SIGSTOP) before a save: rank 1 fails
-    that save within AIOPERSIST_DIST_TIMEOUT, saying the store did not answer (the store's
-    calls have no bound of their own: the old code hung until rank 0 was continued, here
-    by a watchdog after 4 timeouts). Once rank 0 goes on, the ranks save together again."""
-    outs = run_ranks("store-stopped", tmp_path, "threads", AIOPERSIST_DIST_TIMEOUT="5")
+@pytest.mark.parametrize("scenario", ["store-stopped", "store-stopped-first"])
+def test_a_stopped_rank_holding_the_store_does_not_hang_the_others(tmp_path: Path, scenario: str) -> None:
+    """Rank 0 holds the job's store and is stopped (SIGSTOP) before a save (``-first``:
+    before the checkpoint's mesh is made): rank 1 fails that save within
+    AIOPERSIST_DIST_TIMEOUT, saying the store did not answer (the store's calls have no
+    bound of their own: the old code hung until rank 0 was continued, here by a watchdog
+    after 4 timeouts). Once rank 0 goes on, the ranks save together again (the call given
+    up on still counts when the store answers: counted twice, rank 1's mesh numbering
+    would never meet rank 0's)."""
+    outs = run_ranks(scenario, tmp_path, "threads", AIOPERSIST_DIST_TIMEOUT="5")
     assert [o["rc"] for o in outs] == [0, 0], outs
     first, second = outs[0]["ok"], outs[1]["ok"]
     assert second["A"].startswith("RankFailedError: rank 1: exchanging checkpoint metadata"), outs
