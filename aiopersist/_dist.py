@@ -28,6 +28,7 @@ import itertools
 import os
 import pickle
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -200,6 +201,26 @@ def _bounded(
     return _StoreCall(fn, *args, discard=discard).result(what, seconds)
 
 
+def _wait(work: Any) -> None:
+    """``work.wait()`` (a gloo collective's, which ends by gloo's timeout at the latest),
+    by polling in short sleeps rather than blocking in ``wait()``.
+
+    A thread blocked in ``wait()`` holds torch's C++ frames with the GIL released: if the
+    collective ends while the interpreter is shutting down (an exit that gave up on a save
+    in flight: see `aiopersist._blocking`), the thread cannot have the GIL back, is ended
+    through those frames, and the process aborts ("terminate called without an active
+    exception"). A thread in ``time.sleep`` is ended cleanly there."""
+    delay = 1e-4
+    while not work.is_completed():
+        time.sleep(delay)
+        delay = min(2 * delay, _POLL_SECONDS)
+    work.wait()  # at once: raises the collective's error, if any
+
+
+_POLL_SECONDS = 0.005
+"""The longest sleep between two looks at a collective in flight (`_wait`)."""
+
+
 def _shut_down(pg: Any) -> None:
     """A gloo group made after its gather gave up on it: shut down (its threads end)."""
     pg.shutdown()
@@ -342,12 +363,12 @@ class _Mesh:
         data = pickle.dumps(obj)
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self._pg.allgather([sizes], [size]).wait()
+        _wait(self._pg.allgather([sizes], [size]))
         longest = max(int(n) for n in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         theirs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
-        self._pg.allgather([theirs], [mine]).wait()
+        _wait(self._pg.allgather([theirs], [mine]))
         # From the job's own ranks, as all_gather_object's.
         return [pickle.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(theirs, sizes, strict=True)]
 

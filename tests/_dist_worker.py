@@ -711,6 +711,34 @@ async def cancelled_alone(kind: str, rank: int, base: str, backend: str) -> dict
     return outcome
 
 
+def exit_in_exchange(rank: int, base: str, backend: str) -> None:
+    """Rank 0 exits (AIOPERSIST_EXIT_GRACE=0) with a BlockingCheckpointer save waiting at
+    an exchange for rank 1, which is alive but does not come: the exit gives up on the
+    save, and the gather ends (gloo's timeout) while the interpreter shuts down. That
+    must not abort the process ("terminate called without an active exception": the old
+    code's gather thread was blocked in torch's C++ frames)."""
+    import time
+
+    store = dist.distributed_c10d._get_default_store()
+    ck = aiopersist.BlockingCheckpointer(backend=backend)
+    ck.save({"w": torch.ones(1000)}, os.path.join(base, "first"), replicated=True).wait()  # the mesh is made
+    if rank == 1:
+        store.wait(["rank 0 exited"], datetime.timedelta(seconds=60))
+        time.sleep(1)  # past rank 0's exit: its gather timed out meanwhile
+        ck.close()
+        return
+    ck.save({"w": torch.ones(1000)}, os.path.join(base, "second"), replicated=True)
+    sys.stdout.write(json.dumps({"rank": rank, "exiting": True}) + "\n")
+    sys.stdout.flush()
+
+    def told() -> None:  # at exit, after aiopersist's own hooks (registered before it)
+        store.set("rank 0 exited", "")
+
+    import atexit
+
+    atexit.register(told)
+
+
 def main() -> None:
     name, rank, world, port, base, backend = sys.argv[1:7]
     if name.startswith("teardown"):
@@ -730,6 +758,9 @@ def main() -> None:
             world_size=int(world),
             timeout=datetime.timedelta(seconds=60),
         )
+    if name == "exit-in-exchange":
+        exit_in_exchange(int(rank), base, backend)
+        return
     try:
         out = {"ok": asyncio.run(scenario(name, int(rank), int(world), base, backend))}
     except Exception as exc:

@@ -416,6 +416,22 @@ def test_a_stopped_rank_holding_the_store_does_not_hang_the_others(tmp_path: Pat
     _no_leftovers(tmp_path)
 
 
+def test_an_exit_that_gives_up_on_an_exchange_does_not_abort(tmp_path: Path) -> None:
+    """Rank 0 exits with a save waiting at an exchange for rank 1 (alive, not saving),
+    AIOPERSIST_EXIT_GRACE=0: the exit gives up on the save after 5 s, when the gather
+    times out (AIOPERSIST_DIST_TIMEOUT=5) during the interpreter's shutdown. The process
+    exits normally; the old code's gather thread, blocked in torch's C++ frames, aborted
+    it ("terminate called without an active exception", SIGABRT)."""
+    outs = run_ranks(
+        "exit-in-exchange", tmp_path, "threads", AIOPERSIST_DIST_TIMEOUT="5", AIOPERSIST_EXIT_GRACE="0"
+    )
+    assert "terminate called" not in outs[0]["stderr"], outs
+    assert [o["rc"] for o in outs] == [0, 0], outs
+    assert outs[0].get("exiting") is True, outs
+    assert (tmp_path / "first").is_dir()
+    assert not (tmp_path / "second").exists()
+
+
 def test_a_subgroup_s_mesh_goes_with_it(tmp_path: Path) -> None:
     outs = run_ranks("subgroups-come-and-go", tmp_path, "threads")
     assert [o["rc"] for o in outs] == [0, 0], outs
