@@ -408,7 +408,7 @@ def test_a_stopped_rank_holding_the_store_does_not_hang_the_others(tmp_path: Pat
     first, second = outs[0]["ok"], outs[1]["ok"]
     assert second["A"].startswith("RankFailedError: rank 1: exchanging checkpoint metadata"), outs
     assert "the job's store (torch.distributed's) did not answer within 5 s" in second["A"], outs
-    assert second["seconds"] < 15, outs  # one timeout, not the watchdog's four
+    assert second["rank 0 still stopped"] is True, outs  # not freed by the watchdog
     assert first["A"].startswith("RankFailedError: the ranks are not at the same save"), outs
     assert first["B"] == second["B"] == "ok", outs
     assert not (tmp_path / "a" / "ck-A").exists()
