@@ -26,7 +26,7 @@ import io
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, NoReturn, cast
 
 import torch
 
@@ -172,6 +172,14 @@ class Checkpointer:
     # -- the API ---------------------------------------------------------------------------
 
     @maps_os_errors("Checkpointer.save")
+    async def _fail_in_turn(self, coord: Coordinator | None, path: str, error: BaseException) -> NoReturn:
+        """`fail_together` for a save that holds no slot, in its turn: once the saves in
+        flight are over (their exchanges come first)."""
+        if coord is not None and self._slots is not None:
+            async with self._slots:
+                await fail_together(coord, path, error)
+        await fail_together(coord, path, error)
+
     async def save(
         self,
         state: object,
@@ -218,11 +226,8 @@ class Checkpointer:
                     "on_busy='skip' with several ranks: each rank would decide alone, so one could skip "
                     "a save another one runs; use on_busy='wait'"
                 )
-        except Exception as exc:  # (nothing above awaits: no cancellation)
-            if coord is not None and self._slots is not None:
-                async with self._slots:  # in this save's turn: after the saves in flight
-                    await fail_together(coord, given_path(path), exc)
-            await fail_together(coord, given_path(path), exc)
+        except Exception as exc:
+            await self._fail_in_turn(coord, given_path(path), exc)
         loop = asyncio.get_running_loop()
         start = loop.time()
         if self._slots is None:
@@ -236,11 +241,8 @@ class Checkpointer:
             return handle
         try:
             await self._slots.acquire()
-        except asyncio.CancelledError as exc:
-            if coord is not None:  # told in this save's turn, as a failure would be
-                async with self._slots:
-                    await fail_together(coord, target, exc)
-            raise
+        except asyncio.CancelledError as exc:  # told to the others, as a failure would be
+            await self._fail_in_turn(coord, target, exc)
         slot = _Slot(self._slots)
         try:
             if self._closed:

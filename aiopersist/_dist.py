@@ -129,9 +129,11 @@ class StoreTimeoutError(RuntimeError):
     ``AIOPERSIST_DIST_TIMEOUT`` seconds."""
 
 
-_CAS_SECONDS = 5.0
-"""How long a failed gather waits, at most, for the store to move the mesh to its next
-generation (the store may be what failed: it is not waited for a whole timeout again)."""
+_AFTER_FAILURE_SECONDS = 5.0
+"""How long a failed gather waits, at most, for the store's further answers (moving the
+mesh to its next generation, where the ranks are): the store may be what failed, and is
+not waited for a whole timeout again. Also what connecting a mesh gets past gloo's own
+timeout, so that gloo's error (a rank did not come) is the one reported."""
 
 
 class _StoreCall:
@@ -288,7 +290,7 @@ class _Mesh:
                             datetime.timedelta(seconds=seconds),
                             what="connecting the ranks' gloo mesh",
                             # gloo's own error first, where a rank did not come (at `seconds`)
-                            seconds=seconds + _CAS_SECONDS,
+                            seconds=seconds + _AFTER_FAILURE_SECONDS,
                             discard=_shut_down,
                         )
                         self._generation = generation
@@ -305,7 +307,7 @@ class _Mesh:
                                 str(generation),
                                 str(generation + 1),
                                 what="moving the mesh to its next generation",
-                                seconds=min(_knobs.dist_timeout(), _CAS_SECONDS),
+                                seconds=min(_knobs.dist_timeout(), _AFTER_FAILURE_SECONDS),
                             )
                     raise
             finally:
@@ -331,7 +333,7 @@ class _Mesh:
             return [store.get(k).decode(errors="replace") if store.check([k]) else None for k in keys]
 
         try:
-            where = _bounded(said, what="asking where the ranks are", seconds=_CAS_SECONDS)
+            where = _bounded(said, what="asking where the ranks are", seconds=_AFTER_FAILURE_SECONDS)
         except RuntimeError:
             # Gone with the process that held it, most often: rank 0, unless torchrun's agent holds it.
             return (
