@@ -16,6 +16,7 @@ import torch
 
 import aiopersist
 from aiopersist import _native
+from tests._launch import popen
 
 URING_OK = aiopersist.probe_io_uring().usable
 IS_ROOT = os.geteuid() == 0
@@ -138,11 +139,9 @@ def run_forking_script(script: str, env: dict[str, str] | None = None, timeout: 
     import signal
     import sys
 
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, "-c", script],
         cwd=Path(__file__).resolve().parents[1],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **(env or {})},
         start_new_session=True,

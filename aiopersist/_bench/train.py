@@ -264,8 +264,10 @@ def _dcp_async_save(
 
     from ..integrations.dcp import AiopersistWriter, FenceStager
 
-    # DCP's own writer warns from its upload thread on every overwrite (by design here).
+    # DCP's own writer warns from its upload thread on every overwrite (by design here),
+    # and DCP from the upload thread, on every save, that there is no process group.
     warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     with warnings.catch_warnings():

@@ -28,6 +28,7 @@ from accelerate.utils import ProjectConfiguration
 
 import aiopersist
 from aiopersist.integrations.accelerate import save_state, save_state_blocking
+from tests._launch import run
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "integrations" / "accelerate" / "cpu_2proc.yaml"
@@ -584,13 +585,13 @@ def test_save_state_under_fsdp2_is_the_stock_layout_and_load_state_restores_it(
     stock save_state's files (plus the manifests), and the stock load_state restores the
     weights, the RNG states and the scheduler, so that the next step ends as it does
     from the stock checkpoint, bit for bit."""
-    proc = subprocess.run(
+    proc = run(
         [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(_free_port()),
             "-m", "tests._accelerate_fsdp_worker", str(tmp_path), backend, api,
         ],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+        cwd=ROOT, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("report-*.json"))]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import aiopersist
+from tests._launch import run
 from tests.conftest import BACKENDS
 from tests.e2e.test_distributed import run_ranks
 
@@ -70,20 +71,19 @@ def _train_fsdp2(out: Path, ranks: int, steps: int) -> dict[str, object]:
     """The example loop (integrations/dcp/train_fsdp2.py) under torchrun."""
     import json
     import socket
-    import subprocess
     import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
+    proc = run(
         [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
             "--master-port", str(port), str(root / "integrations" / "dcp" / "train_fsdp2.py"),
             "--out", str(out), "--steps", str(steps), "--every", "5", "--width", "64", "--depth", "2",
         ],
-        cwd=root, capture_output=True, text=True, timeout=300, check=False,
+        cwd=root, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1]))

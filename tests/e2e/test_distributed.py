@@ -22,6 +22,7 @@ import torch
 import aiopersist
 from aiopersist._names import LOCK_NAME
 from tests._dist_worker import model_state, sharded_full
+from tests._launch import popen, run
 from tests.conftest import URING_OK
 
 BACKENDS = [
@@ -43,22 +44,10 @@ def run_ranks(
     port = str(_free_port())
     environ = {**os.environ, **env}
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                worker,
-                scenario,
-                str(r),
-                str(world),
-                port,
-                str(base),
-                backend,
-            ],
+        popen(
+            [sys.executable, "-m", worker, scenario, str(r), str(world), port, str(base), backend],
             cwd=ROOT,
             env=environ,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
             text=True,
         )
         for r in range(world)
@@ -203,13 +192,13 @@ def test_ddp_module_is_replicated_without_being_told(tmp_path: Path, backend: st
 
 
 def test_under_torchrun(tmp_path: Path) -> None:
-    proc = subprocess.run(
+    proc = run(
         [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(_free_port()),
             "-m", "tests._dist_worker", "replicated", "env", "0", "0", str(tmp_path), "threads",
         ],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+        cwd=ROOT, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     outs = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]

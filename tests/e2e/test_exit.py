@@ -7,7 +7,6 @@ requests with a typed error, on both backends."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import aiopersist
+from tests._launch import run
 from tests.conftest import URING_OK
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,14 +28,12 @@ def _run(code: str, *, grace: float | None = None, timeout: float = 120) -> tupl
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     if grace is not None:
         env["AIOPERSIST_EXIT_GRACE"] = str(grace)
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, "-c", textwrap.dedent(code)],
         cwd=ROOT,
         env=env,
-        capture_output=True,
         text=True,
         timeout=timeout,  # a hang fails the test (TimeoutExpired) rather than holding CI
-        check=False,
     )
     return proc.returncode, proc.stderr
 

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ pytest.importorskip("transformers")
 import aiopersist
 from aiopersist._manager import check_step, scan
 from aiopersist._names import TRAINER_STEPS
+from tests._launch import run
 from tests.conftest import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,12 +42,12 @@ def fsdp_run(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run(
+    proc = run(
         [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(port), "-m", "tests._hf_fsdp_worker", str(out), str(request.param),
         ],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        cwd=ROOT, text=True, timeout=300,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
@@ -25,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from aiopersist.integrations.transformers import AioPersistCallback  # noqa: E402
+from tests._launch import run  # noqa: E402
 from tests.conftest import BACKENDS  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -181,17 +181,14 @@ def test_a_custom_code_model_is_saved_with_its_code_and_auto_map(tmp_path: Path,
     assert "modeling_aiopersist_tiny.py" in os.listdir(ours)
     assert set(json.loads((ours / "config.json").read_text())["auto_map"]) == {"AutoConfig", "AutoModel"}
     assert sorted(_tensors(ours / "model.safetensors")) == ["embed.weight"]
-    verify = subprocess.run(
-        [sys.executable, "-m", "aiopersist", "verify", str(ours)], capture_output=True, text=True
-    )
+    verify = run([sys.executable, "-m", "aiopersist", "verify", str(ours)], text=True)
     assert verify.returncode == 0, verify.stderr
     load = (
         "from transformers import AutoModel; "
         f"m = AutoModel.from_pretrained({str(ours)!r}, trust_remote_code=True); print(type(m).__name__)"
     )
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, "-c", load],
-        capture_output=True,
         text=True,
         cwd=tmp_path,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")},

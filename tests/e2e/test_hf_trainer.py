@@ -30,6 +30,7 @@ from aiopersist.integrations.transformers import (  # noqa: E402
     to_rotate,
 )
 from tests._hf_ddp_worker import tiny_gpt2  # noqa: E402
+from tests._launch import popen, run  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -876,14 +877,11 @@ def test_callback_refuses_tensor_parallel_parameters(tmp_path: Path) -> None:
     local shards for them. Refused before any step, nothing written. (This model, its
     head alone sharded, would fail in its forward anyway: a real one converts its inputs
     with hooks. The test checks the refusal, not what the old callback wrote.)"""
-    import subprocess
     import sys
 
     root = str(Path(__file__).resolve().parents[2])
     code = _TENSOR_PARALLEL.format(root=root, store=str(tmp_path / "store"), out=str(tmp_path / "run"))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=False, cwd=root
-    )
+    proc = run([sys.executable, "-c", code], text=True, timeout=240, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "refused: AioPersistCallback does not save tensor-parallel (DTensor) parameters" in proc.stdout
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("checkpoint-*"))
@@ -936,18 +934,17 @@ def test_kill_9_mid_save_resumes_from_the_previous_complete_checkpoint(tmp_path:
 def _torchrun(out: Path, mode: str, backend: str) -> list[dict[str, Any]]:
     import json
     import socket
-    import subprocess
     import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run(
+    proc = run(
         [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
             "--master-port", str(port), "-m", "tests._hf_ddp_worker", str(out), mode, backend,
         ],
-        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300, check=False,
+        cwd=Path(__file__).resolve().parents[2], text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = sorted(out.glob(f"{mode}-[0-9]*.json"))
@@ -1063,7 +1060,7 @@ def test_under_ddp_save_on_each_node_across_nodes_is_refused(tmp_path: Path) -> 
             "-m", "tests._hf_ddp_worker", str(tmp_path), "each-node-nodes", "threads",
         ]  # fmt: skip
         root = Path(__file__).resolve().parents[2]
-        return subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return popen(command, cwd=root, text=True)
 
     agents = [agent(0), agent(1)]
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 import aiopersist
+from tests._launch import popen, run
 
 pytestmark = pytest.mark.asyncio
 
@@ -178,9 +178,7 @@ def publish_then_die(tmp, final, overwrite, discard=None):
 _commit.publish = publish_then_die
 asyncio.run(aiopersist.save({{"a": torch.randn(1 << 20)}}, {str(tmp_path / "new")!r}))
 """
-    proc = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-c", script], capture_output=True, timeout=120
-    )
+    proc = await asyncio.to_thread(run, [sys.executable, "-c", script], timeout=120)
     assert proc.returncode == -9
     assert not (tmp_path / "new").exists()
     leftovers = [n for n in os.listdir(tmp_path) if n != "old"]
@@ -256,14 +254,11 @@ while True:
 """
     rng = random.Random(1234)
     for _trial in range(5):
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE
-        )
-        assert proc.stdout is not None
-        await proc.stdout.readline()  # one save is complete
+        proc = popen([sys.executable, "-c", script])
+        await asyncio.to_thread(proc.stdout.readline)  # one save is complete
         await asyncio.sleep(rng.uniform(0.0, 0.4))
         proc.send_signal(signal.SIGKILL)
-        await proc.wait()
+        await asyncio.to_thread(proc.communicate)
         await aiopersist.verify(tmp_path / "c")
         back = await aiopersist.load(tmp_path / "c")
         step = back["step"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import aiopersist
+from tests._launch import run
 from tests.conftest import GATE_KEY, Gate
 
 pytestmark = pytest.mark.asyncio
@@ -563,9 +563,8 @@ async def test_aclose_cancelled_at_every_turn_still_ends(backend_name: str, tmp_
     the blocking facade) while a save is in flight: ``aclose`` waits for the save's thread
     and ends; it used to spin on the done task forever, the loop never turning again."""
     proc = await asyncio.to_thread(
-        subprocess.run,
+        run,
         [sys.executable, "-c", _RECANCELLED, backend_name, str(tmp_path / "ck")],
-        capture_output=True,
         text=True,
         timeout=60,
         cwd=_ROOT,

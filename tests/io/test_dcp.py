@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import aiopersist
 from aiopersist.integrations.dcp import AiopersistReader, AiopersistWriter
+from tests._launch import run
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -195,9 +196,7 @@ def test_an_exit_right_after_an_overwrite_leaves_no_replaced_checkpoint(
 ) -> None:
     root = str(Path(__file__).resolve().parents[2])
     script = SLOW_OVERWRITES.format(root=root, ck=str(tmp_path / "ck"), b=backend_name, seconds=0.5, saves=3)
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120
-    )
+    proc = run([sys.executable, "-c", script], cwd=root, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # the exit waited for the deletion
     assert _same(_load(tmp_path / "ck", FileSystemReader(str(tmp_path / "ck"))), _state(2))

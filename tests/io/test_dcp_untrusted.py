@@ -14,7 +14,6 @@ import os
 import pickle
 import re
 import struct
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 import aiopersist
 from aiopersist._stream import read_segments
 from aiopersist.integrations.dcp import AiopersistReader, AiopersistWriter, _check_pickle_shape
+from tests._launch import run
 from tests.conftest import fifo_opened_after, run_forking_script
 from tests.io.test_corruption import _rewrite_manifest
 from tests.io.test_dcp import SLOW_OVERWRITES
@@ -254,9 +254,7 @@ def test_pickle_bombs_in_metadata_are_refused_unread(
         "except BaseException as exc:\n"
         "    print('REFUSED', exc)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
-    )
+    proc = run([sys.executable, "-c", code], text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "REFUSED" in proc.stdout
     assert match in proc.stdout, proc.stdout[-2000:]
@@ -332,9 +330,7 @@ def test_verify_reads_dcp_metadata_as_a_load_does(tmp_path: Path) -> None:
 
     ck = tmp_path / "ck"
     dcp.save({"a": torch.arange(4000.0)}, checkpoint_id=str(ck), storage_writer=AiopersistWriter())
-    ok = subprocess.run(
-        [sys.executable, "-m", "aiopersist", "verify", str(ck)], capture_output=True, text=True, check=False
-    )
+    ok = run([sys.executable, "-m", "aiopersist", "verify", str(ck)], text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     md = _metadata(ck)
     md.storage_meta = "forged"  # type: ignore[assignment]
@@ -345,9 +341,7 @@ def test_verify_reads_dcp_metadata_as_a_load_does(tmp_path: Path) -> None:
         doc["files"][".metadata"].update(bytes=len(raw), checksum=xxhash.xxh3_64_hexdigest(raw))
 
     _rewrite_manifest(ck, reseal)
-    bad = subprocess.run(
-        [sys.executable, "-m", "aiopersist", "verify", str(ck)], capture_output=True, text=True, check=False
-    )
+    bad = run([sys.executable, "-m", "aiopersist", "verify", str(ck)], text=True)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "corrupt:" in bad.stdout
     assert "storage_meta is a str" in bad.stdout
@@ -619,12 +613,7 @@ def test_a_record_claiming_more_than_the_memory_available_is_refused_before_allo
     md.storage_data[A] = _StorageInfo(info.relative_path, end, 1 << 40, info.transform_descriptors)
     os.truncate(data, end + (1 << 40))  # sparse: no block of it is written
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
-    proc = subprocess.run(
-        [sys.executable, "-c", _CLAIM_SCRIPT, str(tmp_path), backend_name],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run([sys.executable, "-c", _CLAIM_SCRIPT, str(tmp_path), backend_name], text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     found = re.search(r": loading it needs (\d+) bytes \(1024\.0 GiB\) of host memory", proc.stdout)
     assert found, proc.stdout[-2000:]

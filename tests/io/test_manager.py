@@ -21,6 +21,7 @@ import torch
 
 import aiopersist
 from aiopersist._names import LOCK_NAME, TRASH_MARKER
+from tests._launch import popen, run
 from tests.conftest import URING_OK
 
 BACKENDS = [
@@ -340,14 +341,13 @@ async def test_kill_9_at_random_moments(tmp_path: Path, backend: str) -> None:
     directory = tmp_path / "ck"
     restored = []
     for _ in range(12):
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _SAVER, str(directory), backend, cwd=ROOT, stdout=asyncio.subprocess.PIPE
-        )
-        assert proc.stdout is not None
-        assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"ready"
-        await asyncio.sleep(rng.uniform(0.0, 0.6))
-        proc.kill()
-        await proc.wait()
+        proc = popen([sys.executable, "-c", _SAVER, str(directory), backend], cwd=ROOT)
+        try:
+            assert (await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)).strip() == b"ready"
+            await asyncio.sleep(rng.uniform(0.0, 0.6))
+        finally:
+            proc.kill()
+            await asyncio.to_thread(proc.communicate)
         mgr = aiopersist.CheckpointManager(directory, backend=backend)  # its start cleans up
         try:
             for info in mgr.scan():
@@ -439,9 +439,9 @@ def test_a_manager_in_another_process_holds_its_directories_until_it_dies(tmp_pa
             aiopersist.CheckpointManager(other, mirror=mirror)
         assert info.value.directory == str(mirror)
         aiopersist.BlockingCheckpointManager(other).close()
-        gc = subprocess.run(
+        gc = run(
             [sys.executable, "-m", "aiopersist", "gc", str(local), "--keep-last", "1", "--apply"],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
+            cwd=ROOT, text=True, timeout=120,
         )  # fmt: skip
         assert gc.returncode == 1, gc.stdout + gc.stderr
         assert f"pid {proc.pid}" in gc.stderr
@@ -449,9 +449,9 @@ def test_a_manager_in_another_process_holds_its_directories_until_it_dies(tmp_pa
     finally:
         proc.kill()
         proc.communicate()  # reaps it and closes the pipes
-    gc = subprocess.run(
+    gc = run(
         [sys.executable, "-m", "aiopersist", "gc", str(local), "--keep-last", "1", "--apply"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, text=True, timeout=120,
     )  # fmt: skip
     assert gc.returncode == 0, gc.stdout + gc.stderr
     assert _names(local) == ["step-3"]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from tests._launch import run
 from tests.conftest import URING_OK
 
 SCRIPT = textwrap.dedent(
@@ -34,9 +34,7 @@ SCRIPT = textwrap.dedent(
 
 def _run(env_extra: dict[str, str]) -> str:
     env = {**os.environ, **env_extra}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120
-    )
+    proc = run([sys.executable, "-c", SCRIPT], text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout + proc.stderr
 

@@ -25,6 +25,7 @@ import aiopersist
 from aiopersist import _commit
 from aiopersist._manifest import MAX_SIZE, parse_index
 from aiopersist._skeleton import MAX_CONTAINER_DEPTH, MAX_SKELETON_DEPTH
+from tests._launch import popen
 from tests.conftest import fifo_opened_after
 from tests.io.test_corruption import _rewrite_manifest
 
@@ -372,12 +373,9 @@ async def test_a_file_under_a_lease_is_read_once_the_lease_is_given_up(
             opens.append(call)
         return await submit(self, prep, call, *args, **kwargs)
 
-    holder = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE
-    )
+    holder = popen([sys.executable, "-c", script])
     try:
-        assert holder.stdout is not None
-        assert (await holder.stdout.readline()).strip() == b"held"
+        assert (await asyncio.to_thread(holder.stdout.readline)).strip() == b"held"
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(UringBackend, "_submit", counted)
             loaded = await aiopersist.load(ckpt, backend=backend_name)
@@ -386,7 +384,7 @@ async def test_a_file_under_a_lease_is_read_once_the_lease_is_given_up(
         assert torch.equal(loaded["model"]["w"], _state()["model"]["w"])
     finally:
         holder.kill()
-        await holder.wait()
+        await asyncio.to_thread(holder.communicate)
 
 
 # -- sizes, shapes and offsets ----------------------------------------------------------------

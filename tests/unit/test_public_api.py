@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import aiopersist
+from tests._launch import run
 
 
 def test_all_is_complete_and_importable() -> None:
@@ -17,7 +17,7 @@ def test_all_is_complete_and_importable() -> None:
 
 def test_import_does_not_pull_integrations() -> None:
     code = "import sys, aiopersist; print(any(m in sys.modules for m in ('transformers', 'accelerate')))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = run([sys.executable, "-c", code], text=True, check=True).stdout
     assert out.strip() == "False"
 
 
@@ -30,7 +30,7 @@ def test_every_error_shares_the_root() -> None:
 
 def test_the_trainer_integration_without_transformers_says_how_to_install_it() -> None:
     code = "import sys; sys.modules['transformers'] = None\nimport aiopersist.integrations.transformers"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    proc = run([sys.executable, "-c", code], text=True)
     assert proc.returncode == 1
     assert (
         "ModuleNotFoundError: aiopersist.integrations.transformers needs the transformers package"
