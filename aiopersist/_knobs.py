@@ -11,7 +11,7 @@ import os
 _MiB = 1 << 20
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, minimum: int = 1) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -19,8 +19,11 @@ def _env_int(name: str, default: int) -> int:
         value = int(raw, 0)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
-    if value <= 0:
-        raise ValueError(f"environment variable {name}={raw!r} must be positive")
+    if value < minimum:
+        raise ValueError(
+            f"environment variable {name}={raw!r} must be "
+            + ("positive" if minimum == 1 else f"at least {minimum}")
+        )
     return value
 
 
@@ -37,6 +40,12 @@ def chunk_bytes() -> int:
 def staging_buffers() -> int:
     """Staging buffers per file stream: one fills while the others are written."""
     return _env_int("AIOPERSIST_STAGING_BUFFERS", 8)
+
+
+def staging_keep_bytes() -> int:
+    """Idle staging memory kept between saves and loads for the next one to reuse
+    (``AIOPERSIST_STAGING_KEEP_BYTES``; default one default pool, 32 MiB; 0 keeps none)."""
+    return _env_int("AIOPERSIST_STAGING_KEEP_BYTES", chunk_bytes() * staging_buffers(), minimum=0)
 
 
 def shard_bytes() -> int:

@@ -63,3 +63,24 @@ def test_a_child_forked_inside_a_gc_pause_has_its_collector_back() -> None:
     out = run_forking_script(_INSIDE_A_GC_PAUSE.format(root=ROOT))
     assert "child gc True 0" in out
     assert "parent gc True" in out
+
+
+def test_a_forked_child_does_not_reuse_its_parent_s_buffers() -> None:
+    """A child's copies of the parent's idle buffers are dropped at the fork (with CUDA
+    they would claim a registration the child does not have): its pools map their own."""
+    script = (
+        "import os, sys, asyncio\n"
+        "import aiopersist\n"
+        "from aiopersist import _staging\n"
+        "async def fill():\n"
+        "    pool = aiopersist.StagingPool(1 << 16, 2)\n"
+        "    pool.release(await pool.acquire())\n"
+        "    pool.close()\n"
+        "asyncio.run(fill())\n"
+        "assert len(_staging._spare) == 1\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if _staging._spare == [] else 3)\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), len(_staging._spare))\n"
+    )
+    assert run_forking_script(script).split() == ["0", "1"]

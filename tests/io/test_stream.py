@@ -424,3 +424,73 @@ async def test_a_failing_checksum_leaks_no_fd_and_no_buffer(
     assert pool.in_use == 0
     assert len(os.listdir("/proc/self/fd")) == fds
     pool.close()
+
+
+# -- staging memory kept between pools ---------------------------------------------------------
+
+
+@pytest.fixture
+def no_spares() -> Iterator[None]:
+    """The process's idle staging buffers released before and after the test."""
+    from aiopersist._staging import release_spare
+
+    release_spare()
+    yield
+    release_spare()
+
+
+async def test_a_closed_pool_s_buffers_serve_the_next_pool_and_leak_nothing_into_its_files(
+    backend: aiopersist.IOBackend, io_mode: str, tmp_path: Path, no_spares: None
+) -> None:
+    """The next save's pool takes the buffers a finished one left (no new mapping), and
+    what those buffers held never reaches a file: a short file written through them after
+    a long one of other bytes has exactly its own bytes and length (the padded tail is
+    zeroed, then truncated away)."""
+    from aiopersist._staging import _spare
+
+    dio = aiopersist.probe_directory(tmp_path)
+    first = aiopersist.StagingPool(CHUNK, 3)
+    async with FileWriter(backend, tmp_path / "a", dio, first) as w:
+        await w.write(torch.full((3 * CHUNK + 100,), 0xFF, dtype=torch.uint8))
+    addresses = {b.address for b in first._free}
+    first.close()
+    assert {b.address for b in _spare} == addresses  # kept, not unmapped
+    second = aiopersist.StagingPool(CHUNK, 3)
+    for size in (7, CHUNK + 7):
+        data = _bytes(size, seed=size)
+        async with FileWriter(backend, tmp_path / f"b{size}", dio, second) as w:
+            await w.write(data)
+        raw = (tmp_path / f"b{size}").read_bytes()
+        assert raw == data.numpy().tobytes()
+        back = torch.empty(size, dtype=torch.uint8)
+        await read_segments(backend, tmp_path / f"b{size}", dio, second, [(0, back)])
+        assert torch.equal(back, data)
+    assert second._created == 0  # every buffer it used was the first pool's
+    assert {b.address for b in second._free} <= addresses
+    second.close()
+
+
+@pytest.mark.parametrize(("keep", "kept"), [("0", 0), (str(CHUNK), 1), (str(2 * CHUNK + 1), 2), ("", 3)])
+async def test_the_idle_staging_memory_kept_is_bounded(
+    backend: aiopersist.IOBackend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    no_spares: None,
+    keep: str,
+    kept: int,
+) -> None:
+    """``AIOPERSIST_STAGING_KEEP_BYTES`` bounds what closed pools leave mapped (0: none;
+    by default one default pool's worth); the rest is unmapped."""
+    from aiopersist._staging import _spare
+
+    monkeypatch.setenv("AIOPERSIST_STAGING_KEEP_BYTES", keep)
+    dio = aiopersist.probe_directory(tmp_path)
+    pool = aiopersist.StagingPool(CHUNK, 3)
+    async with FileWriter(backend, tmp_path / "a", dio, pool) as w:
+        await w.write(_bytes(3 * CHUNK))
+    assert len(pool._free) == 3
+    closed = list(pool._free)
+    pool.close()
+    assert len(_spare) == kept
+    for buf in closed:
+        assert buf._map.closed == (buf not in _spare)

@@ -80,3 +80,11 @@ def test_a_cgroup_namespace_shows_its_own_root(system: Path) -> None:
         {"cgroup": "0::/elsewhere/job\n", "fs/memory.max": f"{2 * GiB}\n", "fs/memory.current": f"{GiB}\n"},
     )
     assert _memory.available_bytes() == GiB + GiB
+
+
+def test_a_negative_staging_keep_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiopersist import _knobs
+
+    monkeypatch.setenv("AIOPERSIST_STAGING_KEEP_BYTES", "-1")
+    with pytest.raises(ValueError, match="AIOPERSIST_STAGING_KEEP_BYTES='-1' must be at least 0"):
+        _knobs.staging_keep_bytes()
