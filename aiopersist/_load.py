@@ -650,10 +650,12 @@ async def _hash_file(
             return buf, got
 
         tasks = [asyncio.ensure_future(window_at(pos)) for pos in range(0, size, window)]
+        taken = 0  # the windows whose buffers this loop has had (and gives back itself)
         try:
             pos = 0
             for task in tasks:  # hashed in file order as the windows arrive
                 buf, got = await task
+                taken += 1
                 try:
                     want = min(window, size - pos)
                     if got < want:
@@ -668,7 +670,10 @@ async def _hash_file(
         except BaseException:
             for task in tasks:
                 task.cancel()
-            for task in tasks:  # hand back the buffers of windows that were read anyway
+            # Hand back the buffers of the windows read anyway and not yet taken: a window
+            # the loop took is given back by it, and once more would hand the same buffer
+            # to two readers at once.
+            for task in tasks[taken:]:
                 with contextlib.suppress(BaseException):
                     buf, _ = await task
                     pool.release(buf)

@@ -494,3 +494,30 @@ async def test_the_idle_staging_memory_kept_is_bounded(
     assert len(_spare) == kept
     for buf in closed:
         assert buf._map.closed == (buf not in _spare)
+
+
+async def test_a_verify_stopped_mid_file_hands_each_buffer_back_once(
+    backend_name: str, tmp_path: Path, no_spares: None
+) -> None:
+    """A verify that stops while hashing a file (here its ``progress`` raises after the
+    first window) gave the windows it had hashed back to the pool a second time: the
+    same buffer twice among the free ones, for two readers at once, and the pool's bound
+    exceeded. Each goes back once: the buffers left over are distinct, and the next
+    verify of the same checkpoint passes."""
+    from aiopersist._staging import _spare
+
+    path = tmp_path / "ck"
+    await aiopersist.save({"w": torch.arange(5 << 20, dtype=torch.int32)}, path, backend=backend_name)
+    calls = 0
+
+    def stop(done: int, total: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("stopped by the caller")
+
+    with pytest.raises(RuntimeError, match="stopped by the caller"):
+        await aiopersist.verify(path, backend=backend_name, progress=stop)
+    assert len({id(b) for b in _spare}) == len(_spare)
+    await aiopersist.verify(path, backend=backend_name)
+    assert len({id(b) for b in _spare}) == len(_spare)
