@@ -295,10 +295,12 @@ def popen(
     env: dict[str, str] | None = None,
     text: bool = False,
     start_new_session: bool = False,
+    fresh: bool = False,
 ) -> Launched | subprocess.Popen[Any]:
     """``subprocess.Popen(args, stdout=PIPE, stderr=PIPE, ...)``, forked from the shared
     server when ``args`` is ``[sys.executable, "-m", MODULE, ...]`` or ``[sys.executable,
-    "-c", CODE, ...]`` and the environment allows (see the module's doc)."""
+    "-c", CODE, ...]`` and the environment allows (see the module's doc); ``fresh`` asks
+    for a new interpreter whatever the command."""
     env = dict(os.environ if env is None else env)
     workdir = str(cwd if cwd is not None else os.getcwd())
     req: dict[str, Any] | None = None
@@ -307,7 +309,7 @@ def popen(
         req = {key: args[2], "argv": list(args[3:]), "env": env, "cwd": workdir}
         req["new_session"] = start_new_session
     launcher = Launcher.shared()
-    if req is None or not launcher.takes(env):
+    if req is None or fresh or not launcher.takes(env):
         return subprocess.Popen(
             args,
             cwd=workdir,
