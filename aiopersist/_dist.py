@@ -664,6 +664,8 @@ class Coordinator:
             outcome = dataclasses.replace(outcome, given_up=tuple(self.mesh.given_up), attempt=attempt)
             try:
                 raw = self.mesh.gather(outcome, outcome.tag)
+            except ProcessExitingError:
+                raise  # not the other ranks' doing
             except RuntimeError as exc:  # gloo's timeouts and lost peers
                 where = "" if isinstance(exc, StoreTimeoutError) else self.mesh.absent(outcome.tag)
                 raise RankFailedError(

@@ -174,3 +174,24 @@ raise SystemExit(os.waitstatus_to_exitcode(status))
 """
     proc = launch_run([sys.executable, "-c", script], timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_an_exchange_refused_at_exit_says_so_rather_than_blame_a_rank() -> None:
+    """A gather refused because the process is exiting fails with that reason, not as a
+    rank that did not come (the old message), nor asks the store where the ranks are."""
+    saved = _dist._torch_calls
+    _dist._torch_calls = gate = _TorchCalls()
+    try:
+        import torch.distributed as dist
+
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        mesh = _dist._Mesh(store, 0, 2, "test")
+        coord = _dist.Coordinator(0, 2, 0, mesh)
+        gate.close(1)
+        worker, out = _in_thread(lambda: coord.all_gather("x"))
+        worker.join(60)
+        assert len(out) == 1, out
+        assert isinstance(out[0], ProcessExitingError), out
+        assert store.num_keys() == 0  # nothing asked of the store
+    finally:
+        _dist._torch_calls = saved
