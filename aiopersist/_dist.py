@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import ctypes
 import dataclasses
 import datetime
 import itertools
@@ -157,7 +158,9 @@ class _TorchCalls:
     not in a call; it is refused when it wakes."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        # Re-entrant: a collection while the lock is held may run a finalizer that shuts a
+        # mesh down (`_Mesh.close`) on this same thread.
+        self._cond = threading.Condition(threading.RLock())
         self._under_way = 0
         self._closed = False
         self._local = threading.local()
@@ -243,7 +246,12 @@ milliseconds; one waiting for a rank that never comes is left (it ends with the 
 or aborts it if it returns during the interpreter's last moments)."""
 
 _kept: list[Any] = []
-"""What a refused thread could not let go of safely (see `_TorchCalls.drop`)."""
+"""What a refused thread could not let go of safely (see `_TorchCalls.drop`): the works
+and process group of a gather the exit gave up on. Never freed, not even when the
+interpreter clears this module: freeing a gloo group waits for its collectives, up to
+their timeout (``AIOPERSIST_DIST_TIMEOUT``), which would hold the exit that long. What is
+here ends with the process."""
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_kept))
 
 
 _AFTER_FAILURE_SECONDS = 5.0
@@ -262,7 +270,7 @@ class _StoreCall:
     holds the store (rank 0 under ``init_method="tcp://..."`` or ``env://`` without
     torchrun; SIGSTOP, a debugger, a machine swapping) would hang every other rank's save
     for good. A call given up on goes on in its thread: it ends when the store answers
-    (``discard`` then gets its result, unless `result` is asked again and takes it), or
+    (``discard`` then gets its result, unless `result` is asked again and takes it first), or
     with the process. Later calls into the same store client wait behind it."""
 
     def __init__(

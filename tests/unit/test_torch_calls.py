@@ -195,3 +195,23 @@ def test_an_exchange_refused_at_exit_says_so_rather_than_blame_a_rank() -> None:
         assert store.num_keys() == 0  # nothing asked of the store
     finally:
         _dist._torch_calls = saved
+
+
+def test_what_a_refused_thread_kept_is_never_freed_at_exit() -> None:
+    """Freeing a gloo group waits for its collectives (up to their timeout): what a
+    refused gather kept must not be freed when the interpreter clears the module, or the
+    exit would wait that long. An object kept there is never finalized."""
+    script = """
+import sys
+from aiopersist import _dist
+
+class Kept:
+    def __del__(self):
+        sys.stdout.write("freed\\n")
+        sys.stdout.flush()
+
+_dist._kept.append(Kept())
+"""
+    proc = launch_run([sys.executable, "-c", script], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert b"freed" not in proc.stdout
