@@ -218,11 +218,9 @@ class _TorchCalls:
     def drop(self, refs: list[Any]) -> None:
         """Let go of ``refs`` (process groups, collectives' works) where that is safe: in
         a region, at once; refused, they are kept until the main thread finalizes them."""
-        if self.holds():
-            refs.clear()
-        else:
+        if not self.holds():
             _kept.extend(refs)
-            refs.clear()
+        refs.clear()
 
     def close(self, seconds: float) -> bool:
         """Refuse new calls from other threads; wait at most ``seconds`` for those under
@@ -534,9 +532,7 @@ class _Mesh:
                     refs[0].shutdown()
                 refs.clear()  # the last reference, most often: torch waits for its threads
         except ProcessExitingError:
-            pass
-        finally:
-            _torch_calls.drop(refs)
+            _kept.extend(refs)  # refused: see `_TorchCalls.drop`
 
     def close(self) -> None:
         """Shut the mesh down (its gloo threads end); a later gather makes a new one. Never

@@ -31,8 +31,9 @@ def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return thread, out
 
 
-def test_close_waits_for_a_call_under_way() -> None:
-    gate = _TorchCalls()
+def _held_call(gate: _TorchCalls) -> tuple[threading.Thread, list[Any], threading.Event]:
+    """A thread inside a region of ``gate`` until the returned event is set (then its
+    result is "done")."""
     entered, release = threading.Event(), threading.Event()
 
     def call() -> str:
@@ -43,6 +44,12 @@ def test_close_waits_for_a_call_under_way() -> None:
 
     worker, out = _in_thread(call)
     assert entered.wait(30)
+    return worker, out, release
+
+
+def test_close_waits_for_a_call_under_way() -> None:
+    gate = _TorchCalls()
+    worker, out, release = _held_call(gate)
     closer, closed = _in_thread(lambda: gate.close(60))
     closer.join(0.3)
     assert closer.is_alive()
@@ -56,15 +63,7 @@ def test_close_waits_for_a_call_under_way() -> None:
 
 def test_close_gives_up_on_a_call_that_does_not_end() -> None:
     gate = _TorchCalls()
-    entered, release = threading.Event(), threading.Event()
-
-    def call() -> None:
-        with gate.inside():
-            entered.set()
-            release.wait(30)
-
-    worker, _ = _in_thread(call)
-    assert entered.wait(30)
+    worker, _, release = _held_call(gate)
     assert gate.close(0.05) is False
     release.set()
     worker.join(30)
