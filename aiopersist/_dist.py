@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import dataclasses
 import datetime
 import itertools
@@ -30,9 +29,8 @@ import logging
 import os
 import pickle
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +39,7 @@ import torch
 from . import _knobs
 from ._backends._base import to_thread_to_the_end
 from ._exceptions import RankFailedError
+from ._workers import ProcessExitingError, close_exit_gate, exit_gate, kept
 
 log = logging.getLogger("aiopersist")
 
@@ -133,125 +132,6 @@ class StoreTimeoutError(RuntimeError):
     ``AIOPERSIST_DIST_TIMEOUT`` seconds."""
 
 
-class ProcessExitingError(RuntimeError):
-    """A call into torch refused because the interpreter is exiting (see `_TorchCalls`):
-    the exchange it served fails."""
-
-
-class _TorchCalls:
-    """aiopersist's calls into torch (the job's store, the meshes' gloo groups and
-    collectives, the tensors of a gather) from its own threads, counted, so that the
-    interpreter's finalization never starts while one is under way.
-
-    Torch runs these with the GIL released (and drops a process group or a collective's
-    work with the GIL released), and takes the GIL back on return. A thread that returns
-    once the interpreter is finalizing cannot have it: CPython ends the thread where it
-    stands (``pthread_exit``), inside torch's C++ frames, and the process aborts
-    ("terminate called without an active exception"). An exit that gave up on a save
-    waiting at an exchange met that: the gather timed out and its thread shut the broken
-    mesh down just as the interpreter went down.
-
-    `close` (at exit, after the program's own exit hooks: `_release_groups`) refuses new
-    calls from threads other than the main one, which raise `ProcessExitingError`, and
-    waits a bounded time for those under way. The main thread is never refused: it is the
-    one that finalizes. A thread sleeping between two looks at a collective (`sleep`) is
-    not in a call; it is refused when it wakes."""
-
-    def __init__(self) -> None:
-        # Re-entrant: a collection while the lock is held may run a finalizer that shuts a
-        # mesh down (`_Mesh.close`) on this same thread.
-        self._cond = threading.Condition(threading.RLock())
-        self._under_way = 0
-        self._closed = False
-        self._local = threading.local()
-
-    def _enter(self) -> None:
-        with self._cond:
-            if self._closed:
-                raise ProcessExitingError(
-                    "the process is exiting: aiopersist makes no more calls into torch.distributed from "
-                    "its threads (one returning during the interpreter's shutdown would abort the process)"
-                )
-            self._under_way += 1
-        self._local.counted = True
-
-    def _leave(self) -> None:
-        self._local.counted = False
-        with self._cond:
-            self._under_way -= 1
-            if not self._under_way:
-                self._cond.notify_all()
-
-    def holds(self) -> bool:
-        """Whether this thread may call into torch now (in a region, or the main thread)."""
-        return threading.current_thread() is threading.main_thread() or getattr(self._local, "counted", False)
-
-    @contextlib.contextmanager
-    def inside(self) -> Iterator[None]:
-        """A region of calls into torch (nested regions count once). Raises
-        `ProcessExitingError` once the exit has begun."""
-        if threading.current_thread() is threading.main_thread():
-            yield
-            return
-        depth = getattr(self._local, "depth", 0)
-        if not depth:
-            self._enter()
-        self._local.depth = depth + 1
-        try:
-            yield
-        finally:
-            self._local.depth = depth
-            if not depth and getattr(self._local, "counted", False):
-                self._leave()
-
-    def sleep(self, seconds: float) -> None:
-        """``time.sleep``, out of the region it is called in (the exit does not wait for
-        it). Raises `ProcessExitingError` if the exit began meanwhile: the region is then
-        left (see `drop`)."""
-        if not getattr(self._local, "counted", False):
-            time.sleep(seconds)
-            return
-        self._leave()
-        time.sleep(seconds)
-        self._enter()
-
-    def drop(self, refs: list[Any]) -> None:
-        """Let go of ``refs`` (process groups, collectives' works) where that is safe: in
-        a region, at once; refused, they are kept until the main thread finalizes them."""
-        if not self.holds():
-            _kept.extend(refs)
-        refs.clear()
-
-    def close(self, seconds: float) -> bool:
-        """Refuse new calls from other threads; wait at most ``seconds`` for those under
-        way. Whether none is left."""
-        with self._cond:
-            self._closed = True
-            return self._cond.wait_for(lambda: not self._under_way, seconds)
-
-    def _after_fork_in_child(self) -> None:
-        # The parent's threads do not exist in the child.
-        self.__init__()  # type: ignore[misc]
-
-
-_torch_calls = _TorchCalls()
-os.register_at_fork(after_in_child=_torch_calls._after_fork_in_child)
-
-_EXIT_WAIT_SECONDS = 5.0
-"""At exit, how long the calls into torch under way in aiopersist's threads are waited
-for (`_TorchCalls.close`): a mesh being connected, a store call. Short calls end in
-milliseconds; one waiting for a rank that never comes is left (it ends with the process,
-or aborts it if it returns during the interpreter's last moments)."""
-
-_kept: list[Any] = []
-"""What a refused thread could not let go of safely (see `_TorchCalls.drop`): the works
-and process group of a gather the exit gave up on. Never freed, not even when the
-interpreter clears this module: freeing a gloo group waits for its collectives, up to
-their timeout (``AIOPERSIST_DIST_TIMEOUT``), which would hold the exit that long. What is
-here ends with the process."""
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_kept))
-
-
 _AFTER_FAILURE_SECONDS = 5.0
 """How long a failed gather waits, at most, for the store's further answers (moving the
 mesh to its next generation, where the ranks are): the store may be what failed, and is
@@ -283,7 +163,7 @@ class _StoreCall:
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
-            with _torch_calls.inside():
+            with exit_gate.inside():
                 self._run(fn, *args)
         except ProcessExitingError as exc:
             with self._lock:
@@ -344,7 +224,7 @@ def _bounded(
 def _wait(works: list[Any]) -> None:
     """``works[-1].wait()`` (a gloo collective's, which ends by gloo's timeout at the
     latest), by polling in short sleeps rather than blocking in ``wait()``; the work is
-    not bound to a name here, so that no frame of an error keeps it (see `_TorchCalls`).
+    not bound to a name here, so that no frame of an error keeps it (see `aiopersist._workers.exit_gate`).
 
     A thread blocked in ``wait()`` holds torch's C++ frames with the GIL released: if the
     collective ends while the interpreter is shutting down (an exit that gave up on a save
@@ -353,7 +233,7 @@ def _wait(works: list[Any]) -> None:
     exception"). A thread in ``time.sleep`` is ended cleanly there."""
     delay = 1e-4
     while not works[-1].is_completed():
-        _torch_calls.sleep(delay)
+        exit_gate.sleep(delay)
         delay = min(2 * delay, _POLL_SECONDS)
     works[-1].wait()  # at once: raises the collective's error, if any
 
@@ -503,7 +383,7 @@ class _Mesh:
     def _gather(self, obj: Any) -> list[Any]:
         data = pickle.dumps(obj)
         works: list[Any] = []
-        with _torch_calls.inside():
+        with exit_gate.inside():
             try:
                 size = torch.tensor([len(data)], dtype=torch.int64)
                 sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
@@ -519,7 +399,7 @@ class _Mesh:
                 pairs = zip(theirs, sizes, strict=True)
                 return [pickle.loads(t[: int(n)].numpy().tobytes()) for t, n in pairs]
             finally:
-                _torch_calls.drop(works)  # in the region, unless the exit refused this thread meanwhile
+                exit_gate.drop(works)  # in the region, unless the exit refused this thread meanwhile
 
     def _close(self) -> None:
         refs = [self._pg] if self._pg is not None else []
@@ -527,12 +407,12 @@ class _Mesh:
         if not refs:
             return
         try:
-            with _torch_calls.inside():
+            with exit_gate.inside():
                 with contextlib.suppress(Exception):  # a broken mesh may refuse to shut down
                     refs[0].shutdown()
                 refs.clear()  # the last reference, most often: torch waits for its threads
         except ProcessExitingError:
-            _kept.extend(refs)  # refused: see `_TorchCalls.drop`
+            kept.extend(refs)  # refused: see `_ExitGate.drop`
 
     def close(self) -> None:
         """Shut the mesh down (its gloo threads end); a later gather makes a new one. Never
@@ -803,15 +683,11 @@ def _release_groups() -> None:
     their gloo threads are joined now rather than during interpreter shutdown (see
     `_groups`). The training's groups are the program's, and are left alone.
 
-    First, aiopersist's threads make no more calls into torch (see `_TorchCalls`)."""
+    First, aiopersist's threads make no more calls into torch, and those under way are
+    waited for (`aiopersist._workers.close_exit_gate`)."""
     import torch.distributed as dist
 
-    if not _torch_calls.close(_EXIT_WAIT_SECONDS):
-        log.warning(
-            "aiopersist: exiting while a call into torch.distributed is still under way in one of its "
-            "threads after %.0f s (a rank that does not come, or a store that does not answer)",
-            _EXIT_WAIT_SECONDS,
-        )
+    close_exit_gate()
     for entry in _groups.values():
         entry[2].close()
     ours = [entry[1]() for entry in _derived_groups.values()]

@@ -5,21 +5,170 @@ worker stuck in a system call (a write to a hung mount, a collective waiting for
 that died) keeps a crashed training job alive. aiopersist's own I/O and its facades' event
 loops run their work on `DaemonThreadPool` instead: at exit, work still running is
 abandoned, which the on-disk protocol is made for (nothing is ever half-published).
+
+Abandoned, but not while they are inside torch: `exit_gate` makes the exit wait (a bounded
+time) for the jobs under way and refuses new ones, so that no worker comes back from
+torch's C++ code while the interpreter finalizes, which aborts the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
+import ctypes
 import gc
+import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger("aiopersist")
+
+
+class ProcessExitingError(RuntimeError):
+    """Work refused because the interpreter is exiting (see `_ExitGate`): what it served
+    fails (a save abandoned at exit, an exchange of one)."""
+
+
+class _ExitGate:
+    """The work of aiopersist's own threads (every `DaemonThreadPool` job; the threads of
+    `aiopersist._dist` that call the job's store and wait for collectives), counted, so
+    that the interpreter's finalization never starts while one is under way.
+
+    Torch runs nearly every call (a tensor's copy, an allocation, a collective, dropping a
+    process group or a collective's work) with the GIL released, and takes the GIL back on
+    return. A thread that returns once the interpreter is finalizing cannot have it:
+    CPython ends the thread where it stands (``pthread_exit``), inside torch's C++ frames,
+    and the process aborts ("terminate called without an active exception"). A worker
+    copying tensors for a load that a crash abandoned, or a gather timing out just as the
+    exit gave up on its save, met that.
+
+    `close` (at exit, after the program's own exit hooks: `close_exit_gate`) refuses new
+    work from threads other than the main one, which raises `ProcessExitingError`, and
+    waits a bounded time for the work under way. The main thread is never refused: it is
+    the one that finalizes. A thread sleeping between two looks at a collective (`sleep`)
+    is not at work; it is refused when it wakes."""
+
+    def __init__(self) -> None:
+        # Re-entrant: a collection while the lock is held may run a finalizer that shuts a
+        # mesh down (`_dist._Mesh.close`) on this same thread.
+        self._cond = threading.Condition(threading.RLock())
+        self._under_way = 0
+        self._deadline: float | None = None
+        self._local = threading.local()
+
+    def _enter(self) -> None:
+        with self._cond:
+            if self._deadline is not None:
+                raise ProcessExitingError(
+                    "the process is exiting: aiopersist's threads take no more work (one coming back from "
+                    "torch during the interpreter's shutdown would abort the process)"
+                )
+            self._under_way += 1
+        self._local.counted = True
+
+    def _leave(self) -> None:
+        self._local.counted = False
+        with self._cond:
+            self._under_way -= 1
+            if not self._under_way:
+                self._cond.notify_all()
+
+    def holds(self) -> bool:
+        """Whether this thread may call into torch now (in a region, or the main thread)."""
+        return threading.current_thread() is threading.main_thread() or getattr(self._local, "counted", False)
+
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        """A region of work (nested regions count once). Raises `ProcessExitingError` once
+        the exit has begun."""
+        if threading.current_thread() is threading.main_thread():
+            yield
+            return
+        depth = getattr(self._local, "depth", 0)
+        if not depth:
+            self._enter()
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if not depth and getattr(self._local, "counted", False):
+                self._leave()
+
+    def sleep(self, seconds: float) -> None:
+        """``time.sleep``, out of the region it is called in (the exit does not wait for
+        it). Raises `ProcessExitingError` if the exit began meanwhile: the region is then
+        left (see `drop`)."""
+        if not getattr(self._local, "counted", False):
+            time.sleep(seconds)
+            return
+        self._leave()
+        time.sleep(seconds)
+        self._enter()
+
+    def drop(self, refs: list[Any]) -> None:
+        """Let go of ``refs`` (process groups, collectives' works) where that is safe: in
+        a region, at once; refused, they are kept until the process ends (`kept`)."""
+        if not self.holds():
+            kept.extend(refs)
+        refs.clear()
+
+    def close(self, seconds: float) -> bool:
+        """Refuse new work from other threads; wait for the work under way until
+        ``seconds`` after the first call (a later call does not wait again). Whether none
+        is left."""
+        with self._cond:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + seconds
+            return self._cond.wait_for(
+                lambda: not self._under_way, max(0.0, self._deadline - time.monotonic())
+            )
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's threads do not exist in the child.
+        self.__init__()  # type: ignore[misc]
+
+
+exit_gate = _ExitGate()
+
+EXIT_WAIT_SECONDS = 5.0
+"""At exit, how long the work under way in aiopersist's threads is waited for
+(`close_exit_gate`): a chunk being copied or hashed, a store call, a mesh being connected.
+Such work ends in milliseconds; work that does not end (a collective waiting for a rank
+that never comes, a write to a hung mount) is left: it ends with the process, or aborts it
+if it comes back from torch during the interpreter's last moments."""
+
+kept: list[Any] = []
+"""What a refused thread could not let go of safely (see `_ExitGate.drop`): the works and
+process group of a gather the exit gave up on. Never freed, not even when the interpreter
+clears this module: freeing a gloo group waits for its collectives, up to their timeout
+(``AIOPERSIST_DIST_TIMEOUT``), which would hold the exit that long. What is here ends with
+the process."""
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+
+
+def close_exit_gate() -> None:
+    """Close `exit_gate` (at most `EXIT_WAIT_SECONDS` of waiting in all). Registered with
+    ``atexit`` when this module is first imported, so that it runs after the exit hooks
+    registered later (the program's, those that let a save finish); `aiopersist._dist`
+    calls it first, before it destroys its groups."""
+    if not exit_gate.close(EXIT_WAIT_SECONDS):
+        log.warning(
+            "aiopersist: exiting while one of its threads is still at work after %.0f s (a rank that "
+            "does not come, a store that does not answer, a write to a hung disk)",
+            EXIT_WAIT_SECONDS,
+        )
+
+
+atexit.register(close_exit_gate)
 
 _Job = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
@@ -29,7 +178,8 @@ def _run(job: _Job) -> None:
     if not future.set_running_or_notify_cancel():
         return
     try:
-        result = fn(*args, **kwargs)
+        with exit_gate.inside():
+            result = fn(*args, **kwargs)
     except BaseException as exc:
         future.set_exception(exc)
     else:
@@ -126,6 +276,7 @@ def _reset_in_child() -> None:
     other threads were in, do not go on here. The pools start afresh, and the collector
     is as it was before the first pause (a child forked during one kept it off for good)."""
     global _gc_lock, _gc_holders
+    exit_gate._after_fork_in_child()
     for pool in list(_pools):
         pool._after_fork()
     _gc_lock = threading.Lock()

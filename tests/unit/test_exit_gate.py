@@ -1,6 +1,6 @@
-"""The gate on aiopersist's calls into torch from its threads (`_dist._TorchCalls`): the
-exit waits for the calls under way and refuses new ones, so that no thread comes back
-from torch's C++ code while the interpreter finalizes (which aborts the process)."""
+"""The gate on the work of aiopersist's threads (`_workers.exit_gate`): the exit waits
+for the work under way and refuses new work, so that no thread comes back from torch's
+C++ code while the interpreter finalizes (which aborts the process)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from aiopersist import _dist
-from aiopersist._dist import ProcessExitingError, _TorchCalls
+from aiopersist import _dist, _workers
+from aiopersist._workers import DaemonThreadPool, ProcessExitingError, _ExitGate
 from tests._launch import run as launch_run
 
 
@@ -31,7 +31,7 @@ def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return thread, out
 
 
-def _held_call(gate: _TorchCalls) -> tuple[threading.Thread, list[Any], threading.Event]:
+def _held_call(gate: _ExitGate) -> tuple[threading.Thread, list[Any], threading.Event]:
     """A thread inside a region of ``gate`` until the returned event is set (then its
     result is "done")."""
     entered, release = threading.Event(), threading.Event()
@@ -48,7 +48,7 @@ def _held_call(gate: _TorchCalls) -> tuple[threading.Thread, list[Any], threadin
 
 
 def test_close_waits_for_a_call_under_way() -> None:
-    gate = _TorchCalls()
+    gate = _ExitGate()
     worker, out, release = _held_call(gate)
     closer, closed = _in_thread(lambda: gate.close(60))
     closer.join(0.3)
@@ -62,7 +62,7 @@ def test_close_waits_for_a_call_under_way() -> None:
 
 
 def test_close_gives_up_on_a_call_that_does_not_end() -> None:
-    gate = _TorchCalls()
+    gate = _ExitGate()
     worker, _, release = _held_call(gate)
     assert gate.close(0.05) is False
     release.set()
@@ -70,7 +70,7 @@ def test_close_gives_up_on_a_call_that_does_not_end() -> None:
 
 
 def test_after_close_other_threads_are_refused_and_the_main_thread_is_not() -> None:
-    gate = _TorchCalls()
+    gate = _ExitGate()
     assert gate.close(1) is True
 
     def call() -> str:
@@ -86,7 +86,7 @@ def test_after_close_other_threads_are_refused_and_the_main_thread_is_not() -> N
 
 
 def test_nested_regions_count_once() -> None:
-    gate = _TorchCalls()
+    gate = _ExitGate()
     depth_ok = threading.Event()
 
     def call() -> None:
@@ -108,7 +108,7 @@ def test_a_thread_sleeping_between_looks_is_not_waited_for_and_keeps_what_it_hol
     """A gather polling its collective sleeps out of the region: the exit does not wait
     for it; when it wakes it is refused, and what it would have let go of (a process
     group, a work) is kept rather than dropped from a thread that may not come back."""
-    gate = _TorchCalls()
+    gate = _ExitGate()
     asleep = threading.Event()
     held = object()
 
@@ -129,17 +129,95 @@ def test_a_thread_sleeping_between_looks_is_not_waited_for_and_keeps_what_it_hol
     try:
         assert len(out) == 1, out
         assert isinstance(out[0], ProcessExitingError), out
-        assert any(kept is held for kept in _dist._kept)
+        assert any(kept is held for kept in _workers.kept)
         assert gate._under_way == 0
     finally:
-        _dist._kept[:] = [kept for kept in _dist._kept if kept is not held]
+        _workers.kept[:] = [kept for kept in _workers.kept if kept is not held]
+
+
+def test_a_later_close_does_not_wait_again() -> None:
+    """The exit closes the gate twice (`_dist` before it destroys its groups, then
+    `_workers`' own hook): the wait is bounded once, not once per close."""
+    gate = _ExitGate()
+    worker, _, release = _held_call(gate)
+    try:
+        assert gate.close(0.2) is False
+        closer, closed = _in_thread(lambda: gate.close(60))
+        closer.join(5)
+        assert not closer.is_alive()
+        assert closed == [False]
+    finally:
+        release.set()
+        worker.join(30)
+
+
+def test_a_pool_job_under_way_is_waited_for_and_a_later_one_refused() -> None:
+    """Every job of a `DaemonThreadPool` (a load's copies, a save's hashing, the FSDP
+    saver's background save) is work the exit waits for; a job that starts after the
+    exit began fails with `ProcessExitingError`, its function never called."""
+    saved = _workers.exit_gate
+    _workers.exit_gate = gate = _ExitGate()
+    pool = DaemonThreadPool(2, thread_name_prefix="test-gate")
+    try:
+        entered, release = threading.Event(), threading.Event()
+
+        def job() -> str:
+            entered.set()
+            release.wait(30)
+            return "done"
+
+        first = pool.submit(job)
+        assert entered.wait(30)
+        closer, closed = _in_thread(lambda: gate.close(60))
+        closer.join(0.3)
+        assert closer.is_alive()  # waiting for the job
+        called: list[int] = []
+        later = pool.submit(lambda: called.append(1))
+        assert isinstance(later.exception(30), ProcessExitingError)
+        assert called == []
+        release.set()
+        assert first.result(30) == "done"
+        closer.join(30)
+        assert closed == [True]
+    finally:
+        release.set()
+        pool.shutdown(wait=True)
+        _workers.exit_gate = saved
+
+
+def test_a_worker_inside_torch_when_the_program_exits_does_not_abort_it() -> None:
+    """A worker copying tensors (a load abandoned by a crash, a save's staging on a GPU)
+    while the main thread exits: without the gate the worker came back from torch during
+    the interpreter's finalization and the process aborted ("terminate called without an
+    active exception"), 3 times in 3. The exit now waits for the job."""
+    script = """
+import threading, time, torch
+from aiopersist._workers import DaemonThreadPool
+torch.set_num_threads(1)
+a = torch.randn(400, 400)
+started = threading.Event()
+def job():
+    started.set()
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        a @ a  # torch lets go of the GIL in each
+    return "job done"
+pool = DaemonThreadPool(1)
+pool.submit(job)
+started.wait()
+print("main exits", flush=True)
+"""
+    proc = launch_run([sys.executable, "-c", script], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert b"terminate called" not in proc.stderr
+    assert proc.stdout == b"main exits\n"
 
 
 def test_a_refused_store_call_is_an_error_of_its_caller() -> None:
     """`_StoreCall` (the job's store, a mesh being connected) after the exit began: its
     caller gets the refusal as the call's error, at once."""
-    saved = _dist._torch_calls
-    _dist._torch_calls = gate = _TorchCalls()
+    saved = _dist.exit_gate
+    _dist.exit_gate = gate = _ExitGate()
     try:
         gate.close(1)
         called: list[int] = []
@@ -147,7 +225,7 @@ def test_a_refused_store_call_is_an_error_of_its_caller() -> None:
             _dist._bounded(lambda: called.append(1), what="a store call", seconds=30)
         assert called == []
     finally:
-        _dist._torch_calls = saved
+        _dist.exit_gate = saved
 
 
 def test_a_forked_child_starts_with_an_open_gate() -> None:
@@ -155,14 +233,14 @@ def test_a_forked_child_starts_with_an_open_gate() -> None:
     gate calls into torch from its threads."""
     script = """
 import os, threading
-from aiopersist import _dist
-_dist._torch_calls.close(1)
+from aiopersist import _workers
+_workers.exit_gate.close(1)
 pid = os.fork()
 if pid == 0:
     box = []
     def call():
         try:
-            with _dist._torch_calls.inside():
+            with _workers.exit_gate.inside():
                 box.append("called")
         except Exception as exc:
             box.append(repr(exc))
@@ -178,8 +256,8 @@ raise SystemExit(os.waitstatus_to_exitcode(status))
 def test_an_exchange_refused_at_exit_says_so_rather_than_blame_a_rank() -> None:
     """A gather refused because the process is exiting fails with that reason, not as a
     rank that did not come (the old message), nor asks the store where the ranks are."""
-    saved = _dist._torch_calls
-    _dist._torch_calls = gate = _TorchCalls()
+    saved = _dist.exit_gate
+    _dist.exit_gate = gate = _ExitGate()
     try:
         import torch.distributed as dist
 
@@ -193,7 +271,7 @@ def test_an_exchange_refused_at_exit_says_so_rather_than_blame_a_rank() -> None:
         assert isinstance(out[0], ProcessExitingError), out
         assert store.num_keys() == 0  # nothing asked of the store
     finally:
-        _dist._torch_calls = saved
+        _dist.exit_gate = saved
 
 
 def test_what_a_refused_thread_kept_is_never_freed_at_exit() -> None:
@@ -202,14 +280,14 @@ def test_what_a_refused_thread_kept_is_never_freed_at_exit() -> None:
     exit would wait that long. An object kept there is never finalized."""
     script = """
 import sys
-from aiopersist import _dist
+from aiopersist import _workers
 
 class Kept:
     def __del__(self):
         sys.stdout.write("freed\\n")
         sys.stdout.flush()
 
-_dist._kept.append(Kept())
+_workers.kept.append(Kept())
 """
     proc = launch_run([sys.executable, "-c", script], timeout=120)
     assert proc.returncode == 0, proc.stderr
