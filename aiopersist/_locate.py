@@ -48,11 +48,24 @@ READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 PathArg = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
+def absolute_path(path: str | os.PathLike[str], what: str = "path") -> str:
+    """``path`` made absolute. An empty path is refused (`CheckpointNotFoundError`, a
+    ``FileNotFoundError``, as ``open("")`` and ``os.makedirs("")`` refuse it):
+    ``os.path.abspath("")`` is the current directory, which a save with ``overwrite=True``
+    would replace whole."""
+    raw = os.fspath(path)
+    if not raw:
+        raise CheckpointNotFoundError(
+            f"{what}: an empty path names no checkpoint or directory (it is not taken for the current one)"
+        )
+    return os.path.abspath(raw)
+
+
 def checkpoint_paths(path: PathArg) -> list[str]:
     """``path`` as a list of absolute paths: the checkpoint, then its parts' directories."""
     if isinstance(path, str | os.PathLike):
-        return [os.path.abspath(os.fspath(path))]
-    paths = [os.path.abspath(os.fspath(p)) for p in path]
+        return [absolute_path(path)]
+    paths = [absolute_path(p) for p in path]
     if not paths:
         raise ValueError("path: an empty list of directories")
     if len(set(paths)) != len(paths):

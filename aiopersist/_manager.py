@@ -73,7 +73,16 @@ from ._exceptions import (
     typed_error,
 )
 from ._load import load
-from ._locate import READ_FLAGS, PathArg, checkpoint_paths, file_problem, locate, own_parts, token_at
+from ._locate import (
+    READ_FLAGS,
+    PathArg,
+    absolute_path,
+    checkpoint_paths,
+    file_problem,
+    locate,
+    own_parts,
+    token_at,
+)
 from ._manifest import dump_manifest, member_directories
 from ._names import (
     LEFTOVER_MARKERS,
@@ -530,16 +539,16 @@ class CheckpointManager:
         if mirror_retention is not None and mirror_keep_last is not None:
             raise ValueError("pass mirror_retention, or its shorthand mirror_keep_last, not both")
         if isinstance(directory, str | os.PathLike):
-            dirs = [os.path.abspath(os.fspath(directory))]
+            dirs = [absolute_path(directory, "directory")]
         else:
-            dirs = [os.path.abspath(os.fspath(d)) for d in directory]
+            dirs = [absolute_path(d, "directory") for d in directory]
             if not dirs:
                 raise ValueError("directory: an empty list")
         self.directories = dirs
         self.directory = dirs[0]
         self.retention: Retention = retention if retention is not None else policy_of(keep_last, keep_every)
         """Which complete local steps stay (a `Retention` policy)."""
-        self.mirror = os.path.abspath(os.fspath(mirror)) if mirror is not None else None
+        self.mirror = absolute_path(mirror, "mirror") if mirror is not None else None
         self.mirror_retention: Retention = (
             mirror_retention if mirror_retention is not None else policy_of(mirror_keep_last, keep_every)
         )

@@ -67,11 +67,16 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
+def _heads(width: int) -> int:
+    """Attention heads of about 64 dimensions each that divide ``width`` (GPT-2's rule)."""
+    return next(h for h in range(max(1, width // 64), 0, -1) if width % h == 0)
+
+
 def build_model(shape: Shape) -> Any:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_layer=shape.layers,
-        n_head=max(1, shape.width // 64),
+        n_head=_heads(shape.width),
         n_embd=shape.width,
         vocab_size=shape.vocab,
         n_positions=shape.seq,
@@ -242,8 +247,9 @@ def _timed(
     return step, saves, size, weights
 
 
-def _child(out_dir: str, steps: int, every: int) -> None:
-    build_trainer(out_dir, Shape(), steps, every, [AioPersistCallback()]).train()
+def _child(out_dir: str, steps: int, every: int, layers: int, width: int) -> None:
+    shape = Shape(layers=layers, width=width)
+    build_trainer(out_dir, shape, steps, every, [AioPersistCallback()]).train()
 
 
 def _kill_and_resume(
@@ -254,7 +260,8 @@ def _kill_and_resume(
     written, the one resumed from, whether the final weights equal ``reference``)."""
     run_dir = os.path.join(directory, "killed")
     child = subprocess.Popen(
-        [sys.executable, "-m", "aiopersist._bench.demo_trainer", run_dir, str(steps), str(every)],
+        [sys.executable, "-m", "aiopersist._bench.demo_trainer", run_dir]
+        + [str(n) for n in (steps, every, shape.layers, shape.width)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -289,11 +296,18 @@ def _kill_and_resume(
 
 
 def run_demo(
-    directory: str, *, steps: int = 20, every: int = 5, rounds: int = 4, out: TextIO = sys.stdout
+    directory: str,
+    *,
+    steps: int = 20,
+    every: int = 5,
+    rounds: int = 4,
+    shape: Shape | None = None,
+    out: TextIO = sys.stdout,
 ) -> DemoReport:
-    """Run the demo under ``directory``, printing its progress on ``out``."""
+    """Run the demo under ``directory`` (the model's ``shape``: `Shape` by default),
+    printing its progress on ``out``."""
     started = time.perf_counter()
-    shape = Shape()
+    shape = shape or Shape()
     shutil.rmtree(directory, ignore_errors=True)
     os.makedirs(directory)
     params = sum(p.numel() for p in build_model(shape).parameters())
@@ -480,4 +494,4 @@ def plot_demo(report: DemoReport, path: str) -> None:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    _child(sys.argv[1], *map(int, sys.argv[2:6]))

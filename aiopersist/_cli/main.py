@@ -70,9 +70,18 @@ def _demo_trainer(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         print(f"aiopersist demo-trainer: --rounds must be at least 1; got {args.rounds}", file=sys.stderr)
         return 2
-    from .._bench.demo_trainer import format_demo, plot_demo, run_demo  # transformers: seconds to import
+    for name in ("layers", "width"):
+        if getattr(args, name) < 1:
+            value = getattr(args, name)
+            print(f"aiopersist demo-trainer: --{name} must be at least 1; got {value}", file=sys.stderr)
+            return 2
+    # transformers: seconds to import
+    from .._bench.demo_trainer import Shape, format_demo, plot_demo, run_demo
 
-    report = run_demo(os.path.abspath(args.dir), steps=args.steps, every=args.every, rounds=args.rounds)
+    shape = Shape(layers=args.layers, width=args.width)
+    report = run_demo(
+        os.path.abspath(args.dir), steps=args.steps, every=args.every, rounds=args.rounds, shape=shape
+    )
     print(format_demo(report))
     if args.plot:
         plot_demo(report, args.plot)
@@ -1274,6 +1283,8 @@ def build_parser() -> argparse.ArgumentParser:
     trainer.add_argument("--steps", type=int, default=20, help="training steps per run (default: 20)")
     trainer.add_argument("--every", type=int, default=5, help="checkpoint every N steps (default: 5)")
     trainer.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: 4)")
+    trainer.add_argument("--layers", type=int, default=4, help="the GPT-2's layers (default: 4)")
+    trainer.add_argument("--width", type=int, default=384, help="its width, n_embd (default: 384)")
     trainer.add_argument("--plot", metavar="FILE.png", help="also draw the step times and overheads")
     trainer.set_defaults(func=_demo_trainer)
 

@@ -7,6 +7,7 @@ Nothing here imports a framework: each integration module imports its own.
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import os
@@ -140,14 +141,35 @@ def _plain(t: object) -> bool:
     return isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    return t.device, t.untyped_storage().data_ptr()
+
+
 def with_buffers_copied(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (the model's state dict) with a copy of every tensor that is one of the
     model's buffers. In fence mode the weights are read from the live tensors until the
     next optimizer step, and the optimizer changes only parameters; but the next step's
     forward changes buffers in place (BatchNorm's running statistics and
     ``num_batches_tracked``, a counter), which the stock save wrote as they were at the
-    save. Buffers are small beside the parameters; the copy is made on their device."""
-    live = {b.data_ptr() for b in model.buffers() if _plain(b) and b.numel() and b.device.type != "meta"}
+    save. Buffers are small beside the parameters; the copy is made on their device.
+
+    The copy is as the stock save sees the state: of the same mapping type, with its
+    attributes (an ``OrderedDict``'s ``_metadata``, the modules' versions, which
+    ``torch.save`` keeps and ``load_state_dict`` reads), and with the tensors that shared
+    memory still sharing it (each memory a buffer lies in is copied once, every entry in it
+    made a view of the copy), so that the stock rules on shared tensors
+    (``clean_state_dict_for_safetensors``, ``save_pretrained``'s) drop the same names."""
+    live = {_storage_key(b) for b in model.buffers() if _plain(b) and b.numel() and b.device.type != "meta"}
     if not live:
         return state
-    return {k: v.clone() if _plain(v) and v.numel() and v.data_ptr() in live else v for k, v in state.items()}
+    copies: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+    out = copy.copy(state)
+    for name, value in state.items():
+        if not (_plain(value) and value.numel() and _storage_key(value) in live):
+            continue
+        key = _storage_key(value)
+        if key not in copies:
+            copies[key] = value.untyped_storage().clone()
+        view = torch.empty(0, dtype=value.dtype, device=value.device)
+        out[name] = view.set_(copies[key], value.storage_offset(), value.size(), value.stride())
+    return out

@@ -49,7 +49,7 @@ from .._commit import make_temp, publish, remove_path
 from .._direct import probe_directory
 from .._dist import GroupRef
 from .._exceptions import RankFailedError
-from .._locate import read_small
+from .._locate import absolute_path, read_small
 from .._manifest import (
     MAX_MANIFEST_BYTES,
     EntryRecord,
@@ -131,7 +131,7 @@ class ShardedSaver:
         directory names, in the same order as its other saves. An existing checkpoint is
         refused (`CheckpointExistsError`, from every rank's handle) unless ``overwrite``,
         which replaces it atomically once the new one is durable."""
-        final = os.path.abspath(os.fspath(path))
+        final = absolute_path(path)
         names = list(states)
         for name in names:
             safe_file_name(name, "the checkpoint")

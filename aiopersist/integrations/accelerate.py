@@ -63,17 +63,18 @@ import os
 import random
 import re
 import weakref
+from collections import OrderedDict
 from typing import Any, cast
 
 import numpy as np
 import torch
 
-from .. import _knobs
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Checkpointer, SaveHandle
 from .._commit import make_directories, mount_of, remove_path
 from .._dist import _derived_group, background_group, coordinator, process0_group
-from .._exceptions import CheckpointExistsError
+from .._exceptions import CheckpointExistsError, UnsupportedStateError
+from .._locate import absolute_path
 from .._names import TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
 from .._save import SafetensorsSave, SaveInfo, TorchSave
 from ._common import (
@@ -203,13 +204,27 @@ def _outdated(accelerator: Any) -> list[str]:
     base = os.path.join(accelerator.project_dir, "checkpoints")
     if not os.path.isdir(base):
         return []
-    # Hidden entries are aiopersist's temporary directories (saves in progress or
-    # interrupted, hook staging), not checkpoints: they neither count nor go.
+    # Every entry counts, hidden ones too, as save_state counts them; but not aiopersist's
+    # own work in progress, where it stays beside the checkpoints (`_beside`).
     folders = sorted(
-        (os.path.join(base, name) for name in os.listdir(base) if not name.startswith(".")),
+        (
+            os.path.join(base, name)
+            for name in os.listdir(base)
+            if not any(marker in name for marker in (TMP_MARKER, TRASH_MARKER))
+        ),
         key=_iteration_of,
     )
-    return folders[: max(0, len(folders) + 1 - config.total_limit)]
+    outdated = folders[: max(0, len(folders) + 1 - config.total_limit)]
+    for path in outdated:
+        # save_state's shutil.rmtree fails on them (NotADirectoryError, OSError): so does
+        # this, before anything is deleted rather than after the older ones.
+        if os.path.islink(path):
+            raise OSError(f"{path}: save_state would delete it as an old checkpoint; it is a symbolic link")
+        if not os.path.isdir(path):
+            raise NotADirectoryError(
+                errno.ENOTDIR, "save_state would delete it as an old checkpoint; it is not a directory", path
+            )
+    return outdated
 
 
 def _delete_outdated(accelerator: Any) -> None:
@@ -233,9 +248,13 @@ def _target(accelerator: Any, output_dir: str | os.PathLike[str] | None, overwri
                 "manually override `self.save_iteration` with what iteration to start with."
             )
         return target, False
-    if output_dir is None:
-        raise ValueError("save_state needs output_dir unless the Accelerator names checkpoints automatically")
-    target = os.fspath(output_dir)
+    if output_dir is None:  # as save_state's os.makedirs(None) fails, with a word on why
+        raise TypeError("save_state needs output_dir unless the Accelerator names checkpoints automatically")
+    target = absolute_path(output_dir, "output_dir")
+    if os.path.islink(target) and os.path.isdir(target):
+        # save_state writes through a link to a directory: so does this, the link left as
+        # it is and the directory it names replaced.
+        target = os.path.realpath(target)
     if not overwrite and os.path.lexists(target):
         if os.path.isdir(target) and not os.listdir(target):
             return target, True  # nothing in it to keep: replaced, as if it were not there
@@ -286,7 +305,7 @@ def _writer(directories: list[str], rank: int) -> int:
 
 
 def _plan(
-    accelerator: Any, target: str, safe_serialization: bool
+    accelerator: Any, target: str, safe_serialization: bool, max_shard_bytes: int
 ) -> tuple[object, dict[str, bytes | TorchSave | SafetensorsSave], Any, bool]:
     """The model's state dict (``None`` with ``safe_serialization=False``: the weights go
     into ``pytorch_model.bin``), the other files, the group this process saves in, and
@@ -336,28 +355,45 @@ def _plan(
         for i, state in enumerate(weights):
             extra["pytorch_model.bin" if i == 0 else f"pytorch_model_{i}.bin"] = TorchSave(state)
     elif weights:
-        model_state = weights[0]
         # save_state writes the weights after the hooks: over a file of theirs of that name.
         extra.pop("model.safetensors", None)
-        nbytes = sum(t.numel() * t.element_size() for t in weights[0].values() if isinstance(t, torch.Tensor))
-        if nbytes > _knobs.shard_bytes():
-            # load_state reads one model.safetensors; a bigger model would be split in shards.
-            raise ValueError(
-                f"the model's state is {nbytes} bytes, more than one safetensors file holds here "
-                f"({_knobs.shard_bytes()}); set AIOPERSIST_SHARD_BYTES above it"
-            )
-        # The other models: model_1.safetensors, model_2.safetensors..., each as Accelerate's
-        # save writes it (the names of shared tensors but the first dropped), streamed.
-        from accelerate.utils.other import clean_state_dict_for_safetensors  # type: ignore[import-untyped]
-
-        for i, state in enumerate(weights[1:], start=1):
-            extra[f"model_{i}.safetensors"] = SafetensorsSave(
-                clean_state_dict_for_safetensors(state), {"format": "pt"}
-            )
+        states = [_for_safetensors(state, i) for i, state in enumerate(weights)]
+        nbytes = sum(t.numel() * t.element_size() for t in states[0].values())
+        if nbytes <= max_shard_bytes:
+            model_state = states[0]  # the checkpoint's own state: its tensors listed in the manifest
+        else:
+            # load_state reads one model.safetensors, whatever its size; the checkpoint's own
+            # state would be split in shards past max_shard_bytes.
+            extra["model.safetensors"] = SafetensorsSave(states[0], {"format": "pt"})
+        # The other models: model_1.safetensors, model_2.safetensors..., streamed.
+        for i, state in enumerate(states[1:], start=1):
+            extra[f"model_{i}.safetensors"] = SafetensorsSave(state, {"format": "pt"})
     for i, state in enumerate(optimizers):
         extra["optimizer.bin" if i == 0 else f"optimizer_{i}.bin"] = TorchSave(state)
     extra.update(_state_files(accelerator, directories))
     return model_state, extra, group, writes
+
+
+def _for_safetensors(state: dict[str, Any], index: int) -> dict[str, torch.Tensor]:
+    """A model's state dict as Accelerate's ``save`` writes it into a safetensors file:
+    of a state dict (an ``OrderedDict``), the names of tensors sharing memory with an
+    earlier one dropped (``clean_state_dict_for_safetensors``). A value that is not a
+    tensor (a module's ``get_extra_state()``) is refused, naming it: ``save_state`` fails
+    on it too (an ``AttributeError`` of the cleaning, or safetensors' own error); with
+    ``safe_serialization=False`` the state is pickled whole."""
+    from accelerate.utils.other import clean_state_dict_for_safetensors  # type: ignore[import-untyped]
+
+    file = "model.safetensors" if index == 0 else f"model_{index}.safetensors"
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise UnsupportedStateError(
+                f"save_state: {file} holds tensors only, and the state dict of model {index} has "
+                f"{name!r} = {type(value).__name__}; pass safe_serialization=False to pickle it, as "
+                "save_state does then"
+            )
+    if isinstance(state, OrderedDict):  # as Accelerate's save
+        return cast(dict[str, torch.Tensor], clean_state_dict_for_safetensors(state))
+    return state
 
 
 def _state_files(
@@ -495,7 +531,9 @@ def _prepare(
         raise error
     if _is_fsdp(accelerator):
         return _Prepared(target, replace, sharded=_save_fsdp(accelerator, checkpointer, target, replace))
-    model_state, extra, group, writes = _plan(accelerator, target, safe_serialization)
+    model_state, extra, group, writes = _plan(
+        accelerator, target, safe_serialization, checkpointer._max_shard
+    )
     return _Prepared(target, replace, model_state=model_state, extra=extra, group=group, writes=writes)
 
 

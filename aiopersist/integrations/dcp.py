@@ -111,7 +111,7 @@ from .._exceptions import (
 )
 from .._format import MAX_COUNT, bounded_count
 from .._load import _check_memory
-from .._locate import checkpoint_paths, locate, own_parts, read_small, regular_size, token_at
+from .._locate import absolute_path, checkpoint_paths, locate, own_parts, read_small, regular_size, token_at
 from .._manifest import (
     EntryRecord,
     FileRecord,
@@ -496,11 +496,11 @@ class AiopersistWriter(StorageWriter):
         if not publish and disks:
             raise ValueError("AiopersistWriter: publish=False writes one directory in place, without disks")
         self.publish = publish
-        self.path = os.path.abspath(os.fspath(path)) if path is not None else None
+        self.path = absolute_path(path) if path is not None else None
         self.checkpoint_id: Path | None = Path(path) if path is not None else None
         """The checkpoint as it was named, recorded in the metadata's ``storage_meta`` as
         ``FileSystemWriter`` records it (a ``Path``)."""
-        self.disks = [os.path.abspath(os.fspath(d)) for d in disks]
+        self.disks = [absolute_path(d, "disks") for d in disks]
         self.overwrite = overwrite
         self.backend = backend
         self.save_id = uuid.uuid4().hex
@@ -521,7 +521,7 @@ class AiopersistWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.path = absolute_path(checkpoint_id, "checkpoint_id")
             self.checkpoint_id = Path(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
@@ -1249,7 +1249,7 @@ class AiopersistReader(StorageReader):
         self, path: str | os.PathLike[str] | None = None, *, backend: str = "auto", allow_pickle: bool = False
     ) -> None:
         super().__init__()
-        self.path = os.path.abspath(os.fspath(path)) if path is not None else None
+        self.path = absolute_path(path) if path is not None else None
         self.checkpoint_id: Path | None = Path(path) if path is not None else None
         """The checkpoint as it was named (a ``Path``, as ``FileSystemReader.checkpoint_id``)."""
         self.backend = backend
@@ -1269,7 +1269,7 @@ class AiopersistReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.path = absolute_path(checkpoint_id, "checkpoint_id")
             self.checkpoint_id = Path(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}

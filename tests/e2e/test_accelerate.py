@@ -487,6 +487,186 @@ def test_automatic_checkpoint_naming_and_total_limit_as_stock(tmp_path: Path, ba
     _assert_restored(model, opt, saved)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_output_dirs_that_name_no_directory_or_a_link_as_stock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """``output_dir=""`` is refused (``FileNotFoundError``, as ``save_state``'s), not taken
+    for the current directory, which ``overwrite=True`` would replace whole; ``None``
+    without automatic naming raises ``TypeError`` as there; neither counts an iteration.
+    A link to a directory is written through, the link kept, as ``save_state`` does."""
+    accelerator, model, opt, sched = _setup()
+    _step(model, opt, sched)
+    saved = _state(model, opt)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "precious.txt").write_text("the user's")
+    monkeypatch.chdir(cwd)
+    with pytest.raises(FileNotFoundError):
+        accelerator.save_state("")  # stock
+    with pytest.raises(TypeError):
+        accelerator.save_state(None)
+    with aiopersist.BlockingCheckpointer(backend=backend) as ck:
+        for overwrite in (False, True):
+            with pytest.raises(FileNotFoundError, match="empty path"):
+                save_state_blocking(accelerator, "", checkpointer=ck, overwrite=overwrite)
+        with pytest.raises(TypeError, match="needs output_dir"):
+            save_state_blocking(accelerator, None, checkpointer=ck)
+        assert os.listdir(cwd) == ["precious.txt"]
+        assert accelerator.save_iteration == 0
+        for name in ("real", "real-full"):
+            (tmp_path / name).mkdir()
+            (tmp_path / f"{name}-link").symlink_to(tmp_path / name)
+        (tmp_path / "real-full" / "old.txt").write_text("an earlier run's")
+        handle = save_state_blocking(accelerator, tmp_path / "real-link", checkpointer=ck)
+        handle.wait()
+        assert handle.path == str(tmp_path / "real")
+        with pytest.raises(aiopersist.CheckpointExistsError):
+            save_state_blocking(accelerator, tmp_path / "real-full-link", checkpointer=ck)
+        save_state_blocking(accelerator, tmp_path / "real-full-link", checkpointer=ck, overwrite=True).wait()
+    for name in ("real", "real-full"):
+        assert (tmp_path / f"{name}-link").is_symlink()
+        assert "model.safetensors" in os.listdir(tmp_path / name)
+        assert "old.txt" not in os.listdir(tmp_path / name)
+        _step(model, opt, sched)
+        accelerator.load_state(str(tmp_path / f"{name}-link"))
+        _assert_restored(model, opt, saved)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_rotation_counts_every_entry_and_deletes_no_file_as_stock(tmp_path: Path, backend: str) -> None:
+    """``total_limit`` counts every entry of ``checkpoints/``, a hidden one of the user's
+    too, as ``save_state`` does; an entry to delete that is not a directory fails the
+    save with ``NotADirectoryError`` as there, and nothing is deleted (``save_state``
+    fails on it too, after the older ones)."""
+    project = {"automatic_checkpoint_naming": True, "total_limit": 2}
+    stock, stock_model, stock_opt, stock_sched = _setup(
+        ProjectConfiguration(str(tmp_path / "stock"), **project)
+    )
+    ours, model, opt, sched = _setup(ProjectConfiguration(str(tmp_path / "ours"), **project))
+    for accelerator in (stock, ours):
+        base = Path(accelerator.project_dir) / "checkpoints"
+        base.mkdir(parents=True)
+        (base / ".cache_7").mkdir()  # the user's, numbered after the checkpoints to come
+    with aiopersist.BlockingCheckpointer(backend=backend) as ck:
+        for _ in range(3):
+            _step(stock_model, stock_opt, stock_sched)
+            stock.save_state()
+            _step(model, opt, sched)
+            save_state_blocking(ours, checkpointer=ck).wait()
+        kept = sorted(os.listdir(Path(ours.project_dir) / "checkpoints"))
+        assert (
+            kept
+            == sorted(os.listdir(Path(stock.project_dir) / "checkpoints"))
+            == [".cache_7", "checkpoint_2"]
+        )
+        for accelerator in (stock, ours):
+            (Path(accelerator.project_dir) / "checkpoints" / "notes_0.txt").write_text("the user's")
+        with pytest.raises(NotADirectoryError):
+            stock.save_state()
+        with pytest.raises(NotADirectoryError, match=r"notes_0\.txt"):
+            save_state_blocking(ours, checkpointer=ck)
+    assert sorted(os.listdir(Path(ours.project_dir) / "checkpoints")) == [
+        ".cache_7",
+        "checkpoint_2",
+        "notes_0.txt",
+    ]
+    assert ours.save_iteration == stock.save_iteration == 3
+
+
+class _Views(torch.nn.Module):
+    """Buffers that share memory: one a view of a weight, one an alias of another buffer
+    (in a module after those, so that the names dropped are theirs, which load_state then
+    tolerates), beside BatchNorm (a module version in ``_metadata``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.views = torch.nn.Module()
+        self.views.register_buffer("row0", self.lin.weight.data[0])
+        self.views.register_buffer("alias", self.bn.running_mean)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x))
+
+
+class _Extra(torch.nn.Linear):
+    def get_extra_state(self) -> dict[str, int]:
+        return {"calls": 3}
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("safe_serialization", [True, False], ids=["safetensors", "torch-save"])
+def test_a_state_with_shared_memory_and_module_versions_is_written_as_stock(
+    tmp_path: Path, backend: str, safe_serialization: bool
+) -> None:
+    """Tensors sharing memory are written as ``save_state`` writes them (the later names
+    dropped in safetensors; the buffers are still copies taken at the save), module
+    versions kept in ``pytorch_model.bin``, and ``load_state`` restores both; a model
+    bigger than the checkpointer's shards still goes into one ``model.safetensors``."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(_Views())
+    model(torch.randn(4, 8))
+    with aiopersist.BlockingCheckpointer(backend=backend, max_shard_bytes=1024) as ck:
+        accelerator.save_state(str(tmp_path / "stock"), safe_serialization=safe_serialization)
+        handle = save_state_blocking(
+            accelerator, tmp_path / "ours", checkpointer=ck, safe_serialization=safe_serialization
+        )
+        handle.wait_staged()
+        model(torch.randn(4, 8))  # changes the running statistics in place
+        handle.wait()
+    ours, stock = tmp_path / "ours", tmp_path / "stock"
+    assert sorted(os.listdir(ours)) == sorted([*os.listdir(stock), "aiopersist.json"])
+    if safe_serialization:
+        theirs, mine = load_file(stock / "model.safetensors"), load_file(ours / "model.safetensors")
+    else:
+        theirs = torch.load(stock / "pytorch_model.bin", weights_only=True)
+        mine = torch.load(ours / "pytorch_model.bin", weights_only=True)
+        assert mine._metadata == theirs._metadata  # the modules' versions
+        assert (
+            mine["views.row0"].untyped_storage().data_ptr() == mine["lin.weight"].untyped_storage().data_ptr()
+        )
+    assert sorted(mine) == sorted(theirs)
+    for name in theirs:
+        assert torch.equal(mine[name], theirs[name]), name
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    accelerator.load_state(str(stock))
+    stock_loaded = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(4, 8))
+    accelerator.load_state(str(ours))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, stock_loaded[name]), name
+    assert not all(
+        torch.equal(saved[k], stock_loaded[k]) for k in saved
+    )  # the save's, not the last forward's
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_state_entry_that_is_not_a_tensor_is_refused_by_name(tmp_path: Path, backend: str) -> None:
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(_Extra(4, 4))
+    with pytest.raises(AttributeError):
+        accelerator.save_state(str(tmp_path / "stock"))  # stock: the cleaning fails on it
+    with aiopersist.BlockingCheckpointer(backend=backend) as ck:
+        with pytest.raises(aiopersist.UnsupportedStateError, match="'_extra_state' = dict"):
+            save_state_blocking(accelerator, tmp_path / "ours", checkpointer=ck)
+        assert not (tmp_path / "ours").exists()
+        save_state_blocking(
+            accelerator, tmp_path / "pickled", checkpointer=ck, safe_serialization=False
+        ).wait()
+    assert torch.load(tmp_path / "pickled" / "pytorch_model.bin", weights_only=True)["_extra_state"] == {
+        "calls": 3
+    }
+    del model
+
+
 def _launch(tmp_path: Path, mode: str, **env: str) -> list[dict[str, Any]]:
     """``tests._accelerate_worker`` in ``mode`` under ``accelerate launch`` (two processes
     on CPU): each process's JSON line, by rank."""

@@ -321,12 +321,14 @@ def test_demo_trainer_small(tmp_path: Path) -> None:
     # Every warning shown, each time (-W always): the demo's own configuration must cause none.
     proc = subprocess.run(
         [sys.executable, "-W", "always", "-m", "aiopersist", "demo-trainer", "--dir", str(tmp_path / "d"),
-         "--steps", "8", "--every", "2", "--rounds", "2", "--plot", str(plot)],
+         "--steps", "8", "--every", "2", "--rounds", "2", "--layers", "2", "--width", "128",
+         "--plot", str(plot)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert proc.stderr == ""  # no warning, no progress bar of a library
     out = proc.stdout
+    assert "(2 layers, width 128," in out  # the model asked for
     assert "MATCH the uninterrupted run" in out
     # Interleaved, the order reversed in the second round.
     runs = [line.split(" (")[0].strip() for line in out.splitlines() if line.endswith(" s/step")]
@@ -352,6 +354,9 @@ def test_demo_trainer_rejects_too_few_steps(tmp_path: Path) -> None:
     proc = _cli("demo-trainer", "--dir", str(tmp_path / "d"), "--rounds", "0")
     assert proc.returncode == 2
     assert "--rounds must be at least 1; got 0" in proc.stderr
+    proc = _cli("demo-trainer", "--dir", str(tmp_path / "d"), "--width", "0")
+    assert proc.returncode == 2
+    assert "--width must be at least 1; got 0" in proc.stderr
     assert not (tmp_path / "d").exists()
 
 
