@@ -948,8 +948,12 @@ def _pickle_ops() -> dict[str, tuple[int, int, int, int]]:
     """Per opcode: what it does to the stack, for `_check_pickle_shape`: (kind, items it
     pops before a mark or without one, items it pushes, which of them are keys)."""
     special = {"MARK": 1, "PUT": 2, "BINPUT": 2, "LONG_BINPUT": 2, "MEMOIZE": 3, "GET": 4, "BINGET": 4,
-               "LONG_BINGET": 4, "POP": 5, "POP_MARK": 6, "DUP": 7, "STOP": 8}  # fmt: skip
-    keys = {"SETITEM": 1, "SETITEMS": 2, "DICT": 2, "ADDITEMS": 3, "FROZENSET": 3}
+               "LONG_BINGET": 4, "POP": 5, "POP_MARK": 6, "DUP": 7, "STOP": 8, "GLOBAL": 10,
+               "STACK_GLOBAL": 11}  # fmt: skip
+    # 4: a call (REDUCE, NEWOBJ...), whose arguments the callee may hash (OrderedDict,
+    # an Enum's or a layout's lookup): as heavy as a key at most.
+    keys = {"SETITEM": 1, "SETITEMS": 2, "DICT": 2, "ADDITEMS": 3, "FROZENSET": 3, "REDUCE": 4,
+            "NEWOBJ": 4, "NEWOBJ_EX": 4, "INST": 4, "OBJ": 4}  # fmt: skip
     table = {}
     for op in pickletools.opcodes:
         before = op.stack_before
@@ -985,14 +989,20 @@ def _check_pickle_shape(raw: bytes, where: str) -> None:
     claims more bytes than the pickle holds, objects nested deeper than
     `MAX_PICKLE_DEPTH`, and dict keys or set members heavier than `MAX_KEY_WEIGHT`
     (a tuple a million deep crashes the interpreter's hash; one built of itself twice,
-    a hundred times over, never finishes hashing). Each stack item is tracked as its
-    depth and its weight (objects in it, shared ones counted each time); marks are kept
-    apart, as the unpickler keeps them, with what lies below the last one out of reach."""
+    a hundred times over, never finishes hashing), arguments of a call (``REDUCE``,
+    ``NEWOBJ``...) heavier than that too (the callee may hash them: ``OrderedDict``, an
+    enum's lookup), and a ``BUILD`` on a class or function (``GLOBAL``): it would set
+    attributes on the class itself, for the whole process (``PosixPath.__fspath__``,
+    ``MetadataIndex.__hash__``), where DCP's metadata only ever builds instances. Each
+    stack item is tracked as its depth and its weight (objects in it, shared ones counted
+    each time), a class or function as depth -1; marks are kept apart, as the unpickler
+    keeps them, with what lies below the last one out of reach."""
     stack: list[tuple[int, int]] = []
     marks: list[int] = []  # the stack's length at each mark
     memo: dict[int, tuple[int, int]] = {}
     table = _PICKLE_OPS
     leaf = (0, 1)
+    named = (-1, 1)  # a class or function (GLOBAL, STACK_GLOBAL)
     deepest = MAX_PICKLE_DEPTH
     append = stack.append
     try:
@@ -1012,6 +1022,8 @@ def _check_pickle_shape(raw: bytes, where: str) -> None:
                         del stack[-1]
                         d0, w0 = stack[-1]
                         if op.code in _ADDS_TO:  # APPEND, BUILD: one level below the object
+                            if d0 < 0:
+                                raise ValueError(f"{op.name} on a class or function")
                             if d >= deepest:
                                 raise ValueError(f"objects nested more than {deepest} deep")
                             stack[-1] = (max(d0, d + 1), w0 + w)
@@ -1025,6 +1037,10 @@ def _check_pickle_shape(raw: bytes, where: str) -> None:
                 del stack[-pops:]
                 if keys == 1 and children[1][1] > MAX_KEY_WEIGHT:  # SETITEM: dict, key, value
                     raise ValueError("a dict key too large to hash")
+                if keys == 4 and any(w > MAX_KEY_WEIGHT for _, w in children[1:]):
+                    raise ValueError(f"{op.name} with arguments too large to hash")
+                if op.code in _ADDS_TO and children[0][0] < 0:
+                    raise ValueError(f"{op.name} on a class or function")
             elif kind == 9:
                 at = marks.pop()
                 if at - pops < (marks[-1] if marks else 0):
@@ -1033,7 +1049,9 @@ def _check_pickle_shape(raw: bytes, where: str) -> None:
                 children = stack[at - pops :]
                 del stack[at - pops :]
                 if keys and any(w > MAX_KEY_WEIGHT for _, w in (marked[0::2] if keys == 2 else marked)):
-                    raise ValueError("a dict key or set member too large to hash")
+                    raise ValueError("a dict key, set member or call's argument too large to hash")
+                if op.code in _ADDS_TO and children and children[0][0] < 0:
+                    raise ValueError(f"{op.name} on a class or function")
             elif kind == 1:
                 marks.append(len(stack))
                 continue
@@ -1058,6 +1076,14 @@ def _check_pickle_shape(raw: bytes, where: str) -> None:
                 if len(stack) <= fence:
                     raise ValueError("DUP with nothing on the stack")
                 append(stack[-1])
+                continue
+            elif kind == 10:  # GLOBAL
+                append(named)
+                continue
+            elif kind == 11:  # STACK_GLOBAL: the module's and the name's strings
+                if len(stack) - 2 < fence:
+                    raise ValueError("STACK_GLOBAL with too few items on the stack")
+                stack[-2:] = [named]
                 continue
             else:  # STOP
                 break
@@ -1101,6 +1127,7 @@ def _check_metadata(metadata: object, where: str) -> None:
     records = getattr(metadata, "storage_data", None)
     if not isinstance(tensors, dict) or not isinstance(records, dict):
         raise CheckpointCorruptError(f"{where}: not DCP metadata with storage records")
+    budget = [_MAX_CORNER_WORK]
     if not all(isinstance(i, MetadataIndex) and isinstance(getattr(i, "fqn", None), str) for i in records):
         raise CheckpointCorruptError(f"{where}: a storage record is not keyed by a DCP index")
     meta = getattr(metadata, "storage_meta", None)
@@ -1145,14 +1172,19 @@ def _check_metadata(metadata: object, where: str) -> None:
                 raise CheckpointCorruptError(
                     f"{where}: {fqn}: the chunk at {list(offsets)} has no storage record"
                 )
-        _check_cover(size, chunks, f"{where}: {fqn}")
+        _check_cover(size, chunks, f"{where}: {fqn}", budget)
 
 
-_MAX_CORNERS = 1 << 24
-"""How many chunk corners `_check_cover` counts for one tensor at most."""
+_MAX_CORNER_WORK = 1 << 24
+"""How much `_check_cover` does for the whole of a checkpoint's metadata at most: chunk
+corners times the dimensions they are told apart by (a few seconds). DCP's chunks split
+one or two dimensions (two or four corners a chunk): millions of chunks stay within it;
+a ``.metadata`` of a few hundred bytes claiming 2**24 corners of 24 dimensions does not."""
 
 
-def _check_cover(size: tuple[int, ...], chunks: Sequence[ChunkStorageMetadata], where: str) -> None:
+def _check_cover(
+    size: tuple[int, ...], chunks: Sequence[ChunkStorageMetadata], where: str, budget: list[int]
+) -> None:
     """The (checked) ``chunks`` of a tensor of ``size`` cover every element exactly once:
     DCP writes a tensor whole, and a load fills its target from the chunks, so a gap would
     leave part of the target as it was (silently), and an overlap hides a gap (or gives
@@ -1170,10 +1202,11 @@ def _check_cover(size: tuple[int, ...], chunks: Sequence[ChunkStorageMetadata], 
         return  # no elements (nor chunks that hold any: each is inside the tensor)
     if not boxes:
         raise CheckpointCorruptError(f"{where}: no chunk holds any of its {bounded_count(size)} elements")
-    if len(boxes) << len(split) > _MAX_CORNERS:
+    budget[0] -= ((len(boxes) + 1) << len(split)) * max(1, len(split))
+    if budget[0] < 0:
         raise CheckpointCorruptError(
-            f"{where}: {len(boxes)} chunks split along {len(split)} dimensions: too many to check"
-            " that they cover the tensor once"
+            f"{where}: {len(boxes)} chunks split along {len(split)} dimensions: with the tensors"
+            " before it, too many to check that their chunks cover each once"
         )
     corners: dict[tuple[int, ...], int] = {}
     whole = (tuple(0 for _ in size), size)
@@ -1339,14 +1372,16 @@ class AiopersistReader(StorageReader):
         try:
             metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
         except Exception as exc:
-            raise CheckpointCorruptError(
-                f"{meta_path}: not DCP metadata ({type(exc).__name__}: {exc})"
-            ) from exc
+            said = str(exc)  # may show the objects it failed on: bounded
+            said = said if len(said) <= 300 else said[:300] + "..."
+            what = f"{type(exc).__name__}: {said}"
+            raise CheckpointCorruptError(f"{meta_path}: not DCP metadata ({what})") from exc
         _check_metadata(metadata, meta_path)
-        ranges: dict[str, set[tuple[int, int]]] = {}
+        ranges: dict[str, list[tuple[int, int]]] = {}
         for index, info in metadata.storage_data.items():
             name = self._check_record(root, index, info)
-            ranges.setdefault(name, set()).add((info.offset, info.offset + info.length))
+            # A list: two records of the same bytes overlap (one entry loaded into two values).
+            ranges.setdefault(name, []).append((info.offset, info.offset + info.length))
         for name, found in ranges.items():
             _check_apart(sorted(found), f"{meta_path}: the records of {name}")
         if metadata.storage_meta is None:
@@ -1464,7 +1499,15 @@ class AiopersistReader(StorageReader):
                 layout = self._chunks.get((index.fqn, tuple(index.offset or ())))
                 raw = _raw_tensor(blob, *layout) if layout is not None else None
                 where = f"{files[key[0]][1]} bytes {key[1]}..{key[2]}"
-                loaded[key] = raw if raw is not None else _load_tensor(blob, where)
+                stored = raw if raw is not None else _load_tensor(blob, where)
+                if layout is not None and (stored.dtype, tuple(stored.shape)) != layout:
+                    # The entry is the chunk the metadata describes, or the load would cast
+                    # it, or take part of it, without a word.
+                    raise CheckpointCorruptError(
+                        f"{where}: {index.fqn}: the entry holds a {stored.dtype} tensor of shape "
+                        f"{list(stored.shape)}, the metadata's chunk is {layout[0]} of {list(layout[1])}"
+                    )
+                loaded[key] = stored
             _copy_into(req, planner, loaded[key])
         fut: Future[None] = Future()
         fut.set_result(None)

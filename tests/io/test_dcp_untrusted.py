@@ -118,6 +118,12 @@ def _overlapping_records(md: Metadata) -> None:
     md.storage_data[MetadataIndex("b.x")] = _StorageInfo(inner.relative_path, inner.offset + 8, 64)
 
 
+def _same_record_twice(md: Metadata) -> None:
+    """Two values read from the very same bytes: one entry loaded into both."""
+    md.state_dict_metadata["c"] = copy.deepcopy(md.state_dict_metadata["a"])
+    md.storage_data[MetadataIndex("c", torch.Size([0]))] = md.storage_data[A]
+
+
 def _chunk_gap(md: Metadata) -> None:
     md.state_dict_metadata["a"].chunks[0].sizes = torch.Size([3000])  # type: ignore[union-attr,misc]
 
@@ -152,6 +158,7 @@ def _no_chunk(md: Metadata) -> None:
         (_transforms_not_a_list, "transforms that are not a list"),
         (_record_without_length, "not a storage record"),
         (_overlapping_records, "overlap another record's"),
+        (_same_record_twice, "overlap another record's"),
     ],
 )
 def test_malformed_metadata_is_refused_before_it_is_used(
@@ -193,17 +200,46 @@ def test_a_damaged_value_entry_is_a_typed_error(backend_name: str, tmp_path: Pat
     _refused(ck, backend_name, f"bytes {info.offset}..{info.offset + info.length}: not a value DCP can read")
 
 
-def test_sub_byte_dtypes_claimed_load_as_stock_dcp_does(backend_name: str, tmp_path: Path) -> None:
-    """A chunk claimed to be of a dtype torch.save cannot frame (sub-byte ones) is read
-    for what its entry holds, as stock DCP reads it, not an untyped KeyError."""
+@pytest.mark.parametrize(
+    ("dtype", "entry", "match"),
+    [
+        (
+            torch.uint4,
+            None,
+            "holds a torch.float32 tensor of shape [4000], the metadata's chunk is torch.uint4",
+        ),
+        (
+            torch.int64,
+            None,
+            "holds a torch.float32 tensor of shape [4000], the metadata's chunk is torch.int64",
+        ),
+        (None, torch.arange(8000.0), "holds a torch.float32 tensor of shape [8000], the metadata's chunk is"),
+    ],
+    ids=["sub-byte-dtype", "other-dtype", "larger-entry"],
+)
+def test_an_entry_that_is_not_the_chunk_the_metadata_describes_is_refused(
+    backend_name: str, tmp_path: Path, dtype: torch.dtype | None, entry: torch.Tensor | None, match: str
+) -> None:
+    """DCP's own directory has no checksums: a chunk claimed to be of another dtype than
+    its entry holds (stock DCP casts the values into the target: an int64 claim turned
+    floats into garbage integers), or an entry larger than the chunk (stock DCP takes the
+    first part of it), is refused naming both, never loaded as wrong values."""
     ck = tmp_path / "ck"
-    state = _stock(ck)
+    _stock(ck)
     md = _metadata(ck)
-    md.state_dict_metadata["a"].properties.dtype = torch.uint4  # type: ignore[union-attr]
+    if dtype is not None:
+        md.state_dict_metadata["a"].properties.dtype = dtype  # type: ignore[union-attr]
+    if entry is not None:
+        buf = io.BytesIO()
+        torch.save(entry, buf)
+        blob = buf.getvalue()
+        info = md.storage_data[A]
+        with open(ck / info.relative_path, "ab") as f:
+            offset = f.tell()
+            f.write(blob)
+        md.storage_data[A] = _StorageInfo(info.relative_path, offset, len(blob))
     (ck / ".metadata").write_bytes(pickle.dumps(md))
-    got = _target()
-    dcp.load(got, checkpoint_id=str(ck), storage_reader=AiopersistReader(backend=backend_name))
-    assert torch.equal(got["a"], state["a"])
+    _refused(ck, backend_name, match)
 
 
 def _deep_key(depth: int) -> bytes:
@@ -219,6 +255,18 @@ def _doubling_key(levels: int) -> bytes:
     return b"\x80\x04}" + body + b"j" + struct.pack("<I", levels) + b"Ns."
 
 
+def _hashed_call(levels: int) -> bytes:
+    """``OrderedDict(t(n))`` with t(i+1) = (t(i), t(i)) (DUP): 2**n to hash, in the
+    argument of a call to an allowed class rather than in a key."""
+    return b"\x80\x02ccollections\nOrderedDict\n)" + b"2\x86" * levels + b"K\x01\x86\x85\x85R."
+
+
+def _build_on_a_class() -> bytes:
+    """BUILD with a state of (None, {...}) on ``pathlib.PosixPath`` itself: setattr on
+    the class, for the whole process (its ``__fspath__`` made None), then DCP metadata."""
+    return b"\x80\x02cpathlib\nPosixPath\nN}X\x0a\x00\x00\x00__fspath__Ns\x86b0N."
+
+
 def _claims_bytes(n: int) -> bytes:
     """A BINBYTES8 whose count claims ``n`` bytes the pickle does not hold."""
     return b"\x80\x04\x8e" + struct.pack("<Q", n) + b"x."
@@ -232,8 +280,18 @@ def _claims_bytes(n: int) -> bytes:
         (_doubling_key(100), "objects nested more than 64 deep"),
         (_claims_bytes(16 << 30), "expected 17179869184 bytes"),
         (b"\x80\x04}", "pickle exhausted before seeing STOP"),
+        (_hashed_call(40), "REDUCE with arguments too large to hash"),
+        (_build_on_a_class(), "BUILD on a class or function"),
     ],
-    ids=["deep-key", "doubling-key", "doubling-deep", "claimed-bytes", "truncated"],
+    ids=[
+        "deep-key",
+        "doubling-key",
+        "doubling-deep",
+        "claimed-bytes",
+        "truncated",
+        "hashed-call",
+        "build-class",
+    ],
 )
 def test_pickle_bombs_in_metadata_are_refused_unread(
     backend_name: str, tmp_path: Path, raw: bytes, match: str
@@ -253,11 +311,31 @@ def test_pickle_bombs_in_metadata_are_refused_unread(
         f"             storage_reader=AiopersistReader(backend={backend_name!r}))\n"
         "except BaseException as exc:\n"
         "    print('REFUSED', exc)\n"
+        "import pathlib\n"
+        "assert pathlib.PosixPath.__fspath__ is not None  # no class changed\n"
     )
     proc = run([sys.executable, "-c", code], text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "REFUSED" in proc.stdout
     assert match in proc.stdout, proc.stdout[-2000:]
+
+
+def test_chunk_corners_beyond_the_budget_are_refused_at_once(backend_name: str, tmp_path: Path) -> None:
+    """A ``.metadata`` of a few hundred bytes claiming a tensor of 20 dimensions of 2, in
+    one chunk of 1s: checking that its chunks cover it took 13 s and 850 MiB (24
+    dimensions: minutes, gigabytes). The work is bounded for the whole metadata."""
+    ck = tmp_path / "ck"
+    _stock(ck)
+    md = _metadata(ck)
+    size, ones = torch.Size([2] * 20), torch.Size([1] * 20)
+    md.state_dict_metadata["a"] = TensorStorageMetadata(
+        TensorProperties(torch.float32), size, [ChunkStorageMetadata(torch.Size([0] * 20), ones)]
+    )
+    md.storage_data = {
+        MetadataIndex("a", torch.Size([0] * 20)) if k == A else k: v for k, v in md.storage_data.items()
+    }
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    _refused(ck, backend_name, "too many to check that their chunks cover each once")
 
 
 def test_real_metadata_passes_the_opcode_walk() -> None:
@@ -712,7 +790,7 @@ def test_the_chunk_cover_check_agrees_with_counting_every_element() -> None:
             count[tuple(slice(a, a + b) for a, b in zip(o, n, strict=True))] += 1
         chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in boxes]
         if bool((count == 1).all()):
-            _check_cover(tuple(size), chunks, "t")
+            _check_cover(tuple(size), chunks, "t", [1 << 24])
         else:
             with pytest.raises(aiopersist.CheckpointCorruptError, match="t: "):
-                _check_cover(tuple(size), chunks, "t")
+                _check_cover(tuple(size), chunks, "t", [1 << 24])
