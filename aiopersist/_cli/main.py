@@ -71,8 +71,8 @@ def _demo_trainer(args: argparse.Namespace) -> int:
         print(f"aiopersist demo-trainer: --rounds must be at least 1; got {args.rounds}", file=sys.stderr)
         return 2
     for name in ("layers", "width"):
-        if getattr(args, name) < 1:
-            value = getattr(args, name)
+        value = getattr(args, name)
+        if value < 1:
             print(f"aiopersist demo-trainer: --{name} must be at least 1; got {value}", file=sys.stderr)
             return 2
     # transformers: seconds to import

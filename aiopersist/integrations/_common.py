@@ -165,9 +165,11 @@ def with_buffers_copied(model: torch.nn.Module, state: dict[str, Any]) -> dict[s
     copies: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
     out = copy.copy(state)
     for name, value in state.items():
-        if not (_plain(value) and value.numel() and _storage_key(value) in live):
+        if not (_plain(value) and value.numel()):
             continue
         key = _storage_key(value)
+        if key not in live:
+            continue
         if key not in copies:
             copies[key] = value.untyped_storage().clone()
         view = torch.empty(0, dtype=value.dtype, device=value.device)

@@ -75,7 +75,7 @@ from .._commit import make_directories, mount_of, remove_path
 from .._dist import _derived_group, background_group, coordinator, process0_group
 from .._exceptions import CheckpointExistsError, UnsupportedStateError
 from .._locate import absolute_path
-from .._names import TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
+from .._names import LEFTOVER_MARKERS, TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
 from .._save import SafetensorsSave, SaveInfo, TorchSave
 from ._common import (
     delete_checkpoints,
@@ -207,11 +207,7 @@ def _outdated(accelerator: Any) -> list[str]:
     # Every entry counts, hidden ones too, as save_state counts them; but not aiopersist's
     # own work in progress, where it stays beside the checkpoints (`_beside`).
     folders = sorted(
-        (
-            os.path.join(base, name)
-            for name in os.listdir(base)
-            if not any(marker in name for marker in (TMP_MARKER, TRASH_MARKER))
-        ),
+        (os.path.join(base, n) for n in os.listdir(base) if not any(m in n for m in LEFTOVER_MARKERS)),
         key=_iteration_of,
     )
     outdated = folders[: max(0, len(folders) + 1 - config.total_limit)]
