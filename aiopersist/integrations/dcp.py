@@ -65,6 +65,7 @@ import os
 import pickle
 import pickletools
 import re
+import reprlib
 import stat
 import struct
 import threading
@@ -1109,10 +1110,12 @@ def _is_count(value: object) -> bool:
 
 
 def _dims(value: object, what: str, where: str) -> tuple[int, ...]:
-    """Sizes or offsets: each from 0 to `MAX_COUNT` (a tensor's must fit torch's int64),
-    and so many elements at most in all."""
-    if not isinstance(value, list | tuple) or not all(_is_count(n) and n <= MAX_COUNT for n in value):
-        raise CheckpointCorruptError(f"{where}: {what} is not a list of sizes from 0 to 2**62")
+    """Sizes or offsets: a ``torch.Size`` (what DCP writes, and what its planners compare
+    with a tensor's size: a list never equals one, and the load failed in DCP's planner
+    with an untyped error) of counts from 0 to `MAX_COUNT` (a tensor's must fit torch's
+    int64)."""
+    if not isinstance(value, torch.Size) or not all(_is_count(n) and n <= MAX_COUNT for n in value):
+        raise CheckpointCorruptError(f"{where}: {what} is not a torch.Size of sizes from 0 to 2**62")
     return tuple(value)
 
 
@@ -1173,6 +1176,77 @@ def _check_metadata(metadata: object, where: str) -> None:
                     f"{where}: {fqn}: the chunk at {list(offsets)} has no storage record"
                 )
         _check_cover(size, chunks, f"{where}: {fqn}", budget)
+    _check_planner_data(getattr(metadata, "planner_data", None), tensors, where)
+
+
+_MAX_PATH = 1000
+"""The longest place in a state dict ``planner_data`` may give a value: DCP finds the
+places by recursion, one call a level (so fewer than Python's default recursion limit of
+1000), and its load planner joins a place's keys in time quadratic in its length."""
+
+_MAX_LIST_SLOTS = 1 << 24
+"""How many list elements ``planner_data``'s places may make DCP create at most, beyond one
+for each value of the checkpoint: DCP's ``set_element`` grows a list one ``None`` at a
+time up to the index it is given, so a place with index ``2**40`` is a hang and all the
+memory (16 Mi slots take a second and 128 MiB)."""
+
+
+def _check_planner_data(data: object, values: dict[str, object], where: str) -> None:
+    """DCP's default planners record each value's place in the nested state dict it was
+    saved from (``planner_data``: a name to a tuple of keys and list indices), and DCP
+    acts on it when it rebuilds that state dict (loading into an empty one,
+    ``load_sharded_optimizer_state_dict``, ``unflatten_state_dict``): checked where it
+    names a value of the checkpoint. Each place is a tuple of keys (strings) and list
+    indices, starting with a key, whose keys joined by dots are the value's name (as DCP
+    names them, so a value cannot be put in another's place), no place goes through
+    another value or is both a list and a dict, and the lists they make stay within
+    `_MAX_LIST_SLOTS`. Anything else (None, a custom planner's own data) is left alone:
+    DCP's load planner does not read it."""
+    if not isinstance(data, dict):
+        return
+    kind: dict[int, str] = {}  # a node of the places' tree: "leaf", "dict" or "list"
+    child: dict[tuple[int, str | int], int] = {}
+    highest: dict[int, int] = {}  # a list node's highest index
+    slots, budget = 0, _MAX_LIST_SLOTS + len(values)
+    for fqn in values:
+        if fqn not in data:
+            continue  # DCP writes none without flattening; its planners then use the names
+        path = data[fqn]
+        if not (
+            type(path) is tuple
+            and 0 < len(path) <= _MAX_PATH
+            and type(path[0]) is str
+            and all(type(k) is str or (type(k) is int and 0 <= k < budget) for k in path)
+        ):
+            raise CheckpointCorruptError(
+                f"{where}: {fqn}: its place in the state dict (planner_data) is not a tuple of at"
+                f" most {_MAX_PATH} keys and list indices below {budget}, starting with a key"
+            )
+        if ".".join(map(str, path)) != fqn:
+            raise CheckpointCorruptError(
+                f"{where}: {fqn}: planner_data puts it at {reprlib.repr(path)}, not where its name says"
+            )
+        node = 0
+        for key in path:
+            wanted = "list" if type(key) is int else "dict"
+            if kind.setdefault(node, wanted) != wanted:
+                raise CheckpointCorruptError(
+                    f"{where}: {fqn}: planner_data's place for it goes through another value,"
+                    " or through a list that is also a dict"
+                )
+            if type(key) is int and key > highest.get(node, -1):
+                slots += key - highest.get(node, -1)
+                highest[node] = key
+                if slots > budget:
+                    raise CheckpointCorruptError(
+                        f"{where}: {fqn}: planner_data's places make lists of more than {budget}"
+                        " elements in all"
+                    )
+            node = child.setdefault((node, key), len(child) + 1)
+        if kind.setdefault(node, "leaf") != "leaf":
+            raise CheckpointCorruptError(
+                f"{where}: {fqn}: planner_data puts it where other values are (a dict or a list of them)"
+            )
 
 
 _MAX_CORNER_WORK = 1 << 24

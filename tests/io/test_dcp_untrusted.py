@@ -94,6 +94,54 @@ def _no_chunks(md: Metadata) -> None:
     md.state_dict_metadata["a"].chunks = None  # type: ignore[union-attr]
 
 
+def _size_a_list(md: Metadata) -> None:
+    """DCP's planners compare a size with a tensor's ``torch.Size``: a list never equals
+    one (the load failed in DCP's planner, untyped)."""
+    md.state_dict_metadata["a"].size = [4000]  # type: ignore[union-attr]
+
+
+def _sizes_a_tuple(md: Metadata) -> None:
+    md.state_dict_metadata["a"].chunks[0].sizes = (4000,)  # type: ignore[union-attr,misc]
+
+
+def _moved(md: Metadata, fqn: str, new: str, place: tuple[Any, ...] | list[Any]) -> None:
+    """Value ``fqn`` renamed ``new`` (its metadata and storage record with it) at
+    ``place`` in ``planner_data``: a forger's consistent metadata but for the place."""
+    md.state_dict_metadata[new] = md.state_dict_metadata.pop(fqn)
+    for index in [i for i in md.storage_data if i.fqn == fqn]:
+        md.storage_data[MetadataIndex(new, index.offset, index.index)] = md.storage_data.pop(index)
+    del md.planner_data[fqn]
+    md.planner_data[new] = place
+
+
+def _place_past_the_list_budget(md: Metadata) -> None:
+    """A place DCP's ``set_element`` would make a list of 2**26 ``None`` for (2**40: a
+    hang that takes the machine's memory)."""
+    _moved(md, "b.x", "b.67108864", ("b", 2**26))
+
+
+def _places_past_the_list_budget(md: Metadata) -> None:
+    """Two lists each within the bound, 18 million elements together."""
+    _moved(md, "b.x", "b.9000000", ("b", 9_000_000))
+    _moved(md, "b.name", "c.9000000", ("c", 9_000_000))
+
+
+def _place_a_list(md: Metadata) -> None:
+    md.planner_data["a"] = ["a"]
+
+
+def _place_of_another(md: Metadata) -> None:
+    md.planner_data["b.x"] = ("a",)
+
+
+def _place_inside_another(md: Metadata) -> None:
+    _moved(md, "b.name", "b.x.name", ("b", "x", "name"))  # b.x holds a value
+
+
+def _place_list_and_dict(md: Metadata) -> None:
+    _moved(md, "b.name", "b.0", ("b", 0))  # b holds "x" too
+
+
 def _chunk_twice(md: Metadata) -> None:
     chunks = md.state_dict_metadata["a"].chunks  # type: ignore[union-attr]
     chunks.append(chunks[0])
@@ -150,7 +198,15 @@ def _no_chunk(md: Metadata) -> None:
         (_no_record, "a: the chunk at [0] has no storage record"),
         (_str_key, "a storage record is not keyed by a DCP index"),
         (_storage_meta_int, "storage_meta is a int"),
-        (_offsets_int, "a's chunk offsets is not a list of sizes"),
+        (_offsets_int, "a's chunk offsets is not a torch.Size of sizes"),
+        (_size_a_list, "a's size is not a torch.Size of sizes from 0 to 2**62"),
+        (_sizes_a_tuple, "a's chunk sizes is not a torch.Size of sizes"),
+        (_place_past_the_list_budget, "b.67108864: its place in the state dict (planner_data) is not"),
+        (_places_past_the_list_budget, "c.9000000: planner_data's places make lists of more than"),
+        (_place_a_list, "a: its place in the state dict (planner_data) is not a tuple"),
+        (_place_of_another, "b.x: planner_data puts it at ('a',), not where its name says"),
+        (_place_inside_another, "b.x.name: planner_data's place for it goes through another value"),
+        (_place_list_and_dict, "b.0: planner_data's place for it goes through another value, or through a"),
         (_no_properties, "a: no tensor properties with a dtype"),
         (_no_chunks, "a: its chunks are not a list"),
         (_chunk_twice, "a: the chunk at [0] is listed twice"),
@@ -605,11 +661,53 @@ def _sized(size: list[int]) -> Callable[[Metadata], None]:
     return change
 
 
+def test_a_state_dict_rebuilt_from_the_places_is_stock_s_and_a_forged_place_is_refused(
+    backend_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DCP rebuilds the nested state dict from ``planner_data`` (loading into an empty
+    one, ``load_sharded_optimizer_state_dict``): through the reader, nested dicts and lists
+    come back as stock DCP's reader gives them; a forged place (a list index of 2**26,
+    re-sealed in the manifest) is refused by the load, verify and inspect before DCP
+    grows a list to it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from aiopersist._cli.main import describe
+
+    groups = [{"lr": 0.1, "p": [torch.zeros(2)]}, {"lr": 0.2}]
+    state = {
+        "model": {"w": torch.arange(6.0).reshape(2, 3)},
+        "optim": {"state": {"0": {"m": torch.ones(3)}}, "groups": groups},
+        "step": 7,
+    }
+    ck = tmp_path / "ck"
+    dcp.save(state, checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
+    reader = AiopersistReader(backend=backend_name)
+    ours = _load_state_dict_from_keys(checkpoint_id=str(ck), storage_reader=reader)
+    stock = _load_state_dict_from_keys(checkpoint_id=str(ck), storage_reader=FileSystemReader(str(ck)))
+    assert repr(ours) == repr(stock) == repr(state)
+    md = _metadata(ck)
+    assert md.planner_data["optim.groups.0.p.0"] == ("optim", "groups", 0, "p", 0)
+    md.state_dict_metadata["step.67108864"] = md.state_dict_metadata.pop("step")
+    md.storage_data[MetadataIndex("step.67108864")] = md.storage_data.pop(MetadataIndex("step"))
+    md.planner_data["step.67108864"] = ("step", 2**26)
+    del md.planner_data["step"]
+    _reseal_metadata(ck, md)
+    match = "step.67108864: its place in the state dict (planner_data) is not a tuple"
+    with pytest.raises(BaseException, match=re.escape(match)):  # DCP's wrapper
+        _load_state_dict_from_keys(checkpoint_id=str(ck), storage_reader=reader)
+    with pytest.raises(aiopersist.CheckpointCorruptError, match=re.escape(match)):
+        describe(ck, backend=backend_name)
+    rc, out, err = _cli(capsys, "verify", "--backend", backend_name, str(ck))
+    assert rc == 1
+    assert match in out + err
+
+
 @pytest.mark.parametrize(
     ("size", "match"),
     [
-        ([2**63], "a's size is not a list of sizes from 0 to 2**62"),
-        ([10**400], "a's size is not a list of sizes from 0 to 2**62"),
+        ([2**63], "a's size is not a torch.Size of sizes from 0 to 2**62"),
+        ([10**400], "a's size is not a torch.Size of sizes from 0 to 2**62"),
         ([2**40, 2**40], "a: its size holds more than 2**62 elements"),
     ],
     ids=["past int64", "past a float", "too many elements"],
