@@ -17,7 +17,8 @@
 # Usage: scripts/gpu-bundle.sh [--python X.Y] [--out DIR]
 #   --python  the target Python (default 3.12, the GPU image's)
 #   --out     the folder to make (default .gpu-bundle); replaced only once the new one is whole
-# Downloads and the fio build are cached in ${GPU_BUNDLE_CACHE:-.cache/gpu-bundle}.
+# Downloads and the fio build are cached per user (every clone and worktree shares them), in
+# ${GPU_BUNDLE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/aiopersist/gpu-bundle}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -36,7 +37,7 @@ case "$PYVER" in
     3.[0-9]|3.[0-9][0-9]) ;;
     *) echo "gpu-bundle: --python wants a version like 3.12, not '$PYVER'" >&2; exit 2 ;;
 esac
-CACHE=${GPU_BUNDLE_CACHE:-$ROOT/.cache/gpu-bundle}
+CACHE=${GPU_BUNDLE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/aiopersist/gpu-bundle}
 mkdir -p "$CACHE"
 CACHE=$(cd "$CACHE" && pwd)
 LIMIT=$((64 * 1024 * 1024))

@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import types
 from pathlib import Path
@@ -87,6 +88,7 @@ def _child(
         os.setsid()
     os.environ.clear()
     os.environ.update(req["env"])
+    tempfile.tempdir = None  # as a fresh process: its own TMPDIR, not the server's choice
     os.chdir(req["cwd"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

@@ -4,6 +4,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -32,6 +33,24 @@ BACKENDS = [
 ]
 
 needs_native = pytest.mark.skipif(not _native.has_liburing, reason=f"{_native.unavailable_reason}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_under_the_basetemp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The session's temporary files, and its child processes' (``torchrun`` leaves a
+    ``torchelastic_*`` directory behind at each launch, the fork server its spool), go
+    under pytest's base temporary directory, which pytest prunes (it keeps the last
+    three runs'), instead of piling up in /tmp."""
+    tmp = tmp_path_factory.mktemp("tmp", numbered=False)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp)
+    tempfile.tempdir = None  # tempfile reads TMPDIR again
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
 
 
 @pytest.fixture(params=BACKENDS)

@@ -405,7 +405,11 @@ def test_a_stopped_rank_holding_the_store_does_not_hang_the_others(tmp_path: Pat
     assert [o["rc"] for o in outs] == [0, 0], outs
     first, second = outs[0]["ok"], outs[1]["ok"]
     assert second["A"].startswith("RankFailedError: rank 1: exchanging checkpoint metadata"), outs
-    assert "the job's store (torch.distributed's) did not answer within 5 s" in second["A"], outs
+    # Bounded either way: by the store's timeout, or, where the mesh is made already and
+    # the machine is loaded, by gloo's own (it can be first to give up on rank 0).
+    store = "the job's store (torch.distributed's) did not answer within 5 s" in second["A"]
+    gloo = scenario == "store-stopped" and "Timed out waiting 5000ms" in second["A"]
+    assert store or gloo, outs
     assert second["rank 0 still stopped"] is True, outs  # not freed by the watchdog
     assert first["A"].startswith("RankFailedError: the ranks are not at the same save"), outs
     assert first["B"] == second["B"] == "ok", outs
