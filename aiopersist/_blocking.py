@@ -30,7 +30,7 @@ from ._manager import CheckpointManager, ManagedSaveHandle
 from ._retention import Retention
 from ._save import ExtraFiles, SaveInfo, save
 from ._stream import CudaReady, caller_cuda_ready
-from ._workers import DaemonThreadPool
+from ._workers import DaemonThreadPool, exit_wait_left
 
 log = logging.getLogger("aiopersist")
 T = TypeVar("T")
@@ -181,7 +181,7 @@ os.register_at_fork(after_in_child=_forget_facades_in_child)
 
 def _close_open_facades() -> None:
     for facade in list(_open_facades):
-        facade._close_at_exit(_knobs.exit_grace())
+        facade._close_at_exit(_knobs.exit_grace(), interpreter_exit=True)
 
 
 class _OnPortal:
@@ -222,12 +222,14 @@ class _OnPortal:
             raise
         self._loop_thread.stop()
 
-    def _close_at_exit(self, grace: float) -> None:
+    def _close_at_exit(self, grace: float, *, interpreter_exit: bool = False) -> None:
         """At interpreter exit: give the saves in flight ``grace`` seconds to finish, then
-        cancel them (a cancelled save removes what it wrote) and give that a few seconds.
-        Never raises, and never waits much longer than ``grace``: the process must end.
-        What is still running then is abandoned with the loop's daemon thread; it has
-        published nothing, and the next start removes what it left."""
+        cancel them (a cancelled save removes what it wrote) and give that a few seconds
+        (`_EXIT_CANCEL_SECONDS`; at the interpreter's exit, what is left of the exit's one
+        wait for aiopersist's work, `_workers.exit_wait_left`, which the threads' wait
+        shares). Never raises, and never waits much longer than ``grace``: the process
+        must end. What is still running then is abandoned with the loop's daemon thread;
+        it has published nothing, and the next start removes what it left."""
         if self._closed:
             return
         self._closed = True
@@ -252,7 +254,7 @@ class _OnPortal:
                     grace,
                 )
                 closing.cancel()
-                finished.wait(_EXIT_CANCEL_SECONDS)
+                finished.wait(exit_wait_left() if interpreter_exit else _EXIT_CANCEL_SECONDS)
         except BaseException:  # a second Ctrl-C while waiting: exit now
             closing.cancel()
             return

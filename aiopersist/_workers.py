@@ -140,11 +140,28 @@ class _ExitGate:
 exit_gate = _ExitGate()
 
 EXIT_WAIT_SECONDS = 5.0
-"""At exit, how long the work under way in aiopersist's threads is waited for
-(`close_exit_gate`): a chunk being copied or hashed, a store call, a mesh being connected.
-Such work ends in milliseconds; work that does not end (a collective waiting for a rank
-that never comes, a write to a hung mount) is left: it ends with the process, or aborts it
-if it comes back from torch during the interpreter's last moments."""
+"""At interpreter exit, how long aiopersist waits for its own work in all, once the saves'
+grace is over (`exit_wait_left`): a cancelled save removing what it wrote (the facades'
+exit), then the work under way in its threads (`close_exit_gate`): a chunk being copied or
+hashed, a store call, a mesh being connected. Such work ends in milliseconds; work that
+does not end (a collective waiting for a rank that never comes, a write to a hung mount,
+the pickling of a user's object) is left: it ends with the process, or aborts it if it
+comes back from torch during the interpreter's last moments."""
+
+_exit_wait_lock = threading.Lock()
+_exit_wait_deadline: float | None = None
+_exit_wait_warned = False
+
+
+def exit_wait_left() -> float:
+    """Seconds left of the exit's one wait for aiopersist's own work (`EXIT_WAIT_SECONDS`
+    from the first call): every step of the exit that waits for it takes from the same
+    budget, so that work stuck past it is waited for once, not once a step."""
+    global _exit_wait_deadline
+    with _exit_wait_lock:
+        if _exit_wait_deadline is None:
+            _exit_wait_deadline = time.monotonic() + EXIT_WAIT_SECONDS
+        return max(0.0, _exit_wait_deadline - time.monotonic())
 
 kept: list[Any] = []
 """What a refused thread could not let go of safely (see `_ExitGate.drop`): the works and
@@ -156,11 +173,13 @@ ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
 
 
 def close_exit_gate() -> None:
-    """Close `exit_gate` (at most `EXIT_WAIT_SECONDS` of waiting in all). Registered with
+    """Close `exit_gate`, waiting what is left of `exit_wait_left`. Registered with
     ``atexit`` when this module is first imported, so that it runs after the exit hooks
     registered later (the program's, those that let a save finish); `aiopersist._dist`
-    calls it first, before it destroys its groups."""
-    if not exit_gate.close(EXIT_WAIT_SECONDS):
+    calls it first, before it destroys its groups. Says once when work is left."""
+    global _exit_wait_warned
+    if not exit_gate.close(exit_wait_left()) and not _exit_wait_warned:
+        _exit_wait_warned = True
         log.warning(
             "aiopersist: exiting while one of its threads is still at work after %.0f s (a rank that "
             "does not come, a store that does not answer, a write to a hung disk)",
@@ -275,8 +294,9 @@ def _reset_in_child() -> None:
     """In a forked child: the parent's worker threads, and the `gc_paused` sections its
     other threads were in, do not go on here. The pools start afresh, and the collector
     is as it was before the first pause (a child forked during one kept it off for good)."""
-    global _gc_lock, _gc_holders
+    global _gc_lock, _gc_holders, _exit_wait_lock, _exit_wait_deadline, _exit_wait_warned
     exit_gate._after_fork_in_child()
+    _exit_wait_lock, _exit_wait_deadline, _exit_wait_warned = threading.Lock(), None, False
     for pool in list(_pools):
         pool._after_fork()
     _gc_lock = threading.Lock()

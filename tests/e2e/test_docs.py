@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import pytest
 
 from aiopersist._cli.main import build_parser
 from tests._forkserver import ForkServer, offline_env
+from tests._launch import run
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -103,18 +103,14 @@ def test_python_block_runs_as_written_twice(block: Block, tmp_path: Path) -> Non
         rc, out, err = ForkServer.shared().run({"script": str(script)}, work)
         assert rc == 0, f"{block.name} failed:\n{out[-3000:]}\n{err[-6000:]}"
         return
-    # Under torchrun: two launches (the process group is the launcher's, one per run).
+    # Under torchrun: two launches (the process group is the launcher's, one per run). The
+    # agent is forked from the launch server (tests/_launch.py; its workers are fresh
+    # processes, as torchrun makes them): so that the environment is the server's, the
+    # thread count is left to torchrun, which gives each worker OMP_NUM_THREADS=1.
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    env = {k: v for k, v in offline_env().items() if k != "OMP_NUM_THREADS"}
     for i in (1, 2):
-        proc = subprocess.run(
-            [*launcher, ranks.group("n"), str(script)],
-            cwd=work,
-            env=offline_env(),
-            capture_output=True,
-            text=True,
-            timeout=280,
-            check=False,
-        )
+        proc = run([*launcher, ranks.group("n"), str(script)], cwd=work, env=env, text=True, timeout=280)
         assert proc.returncode == 0, (
             f"{block.name} failed (launch {i}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )

@@ -151,6 +151,33 @@ def test_a_later_close_does_not_wait_again() -> None:
         worker.join(30)
 
 
+def test_the_exit_s_steps_share_one_wait_and_say_once_what_is_left(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The facades' cancelled saves (`_blocking`) and the gate's last wait take from one
+    budget (`exit_wait_left`): once a facade has waited it out for a stuck thread, the
+    gate does not wait for that thread again; closed twice, it warns once."""
+    monkeypatch.setattr(_workers, "_exit_wait_deadline", None)
+    monkeypatch.setattr(_workers, "_exit_wait_warned", False)
+    first = _workers.exit_wait_left()
+    assert 0 < first <= _workers.EXIT_WAIT_SECONDS
+    assert _workers.exit_wait_left() <= first  # one deadline, not one per caller
+    monkeypatch.setattr(_workers, "_exit_wait_deadline", 0.0)  # spent (a facade waited it out)
+    assert _workers.exit_wait_left() == 0.0
+    gate = _ExitGate()
+    monkeypatch.setattr(_workers, "exit_gate", gate)
+    worker, _, release = _held_call(gate)
+    try:
+        with caplog.at_level("WARNING", logger="aiopersist"):
+            closer, _ = _in_thread(lambda: (_workers.close_exit_gate(), _workers.close_exit_gate()))
+            closer.join(10)  # the budget is spent: neither close waits for the held call
+            assert not closer.is_alive()
+        assert [r.getMessage().count("still at work") for r in caplog.records] == [1]
+    finally:
+        release.set()
+        worker.join(30)
+
+
 def test_a_pool_job_under_way_is_waited_for_and_a_later_one_refused() -> None:
     """Every job of a `DaemonThreadPool` (a load's copies, a save's hashing, the FSDP
     saver's background save) is work the exit waits for; a job that starts after the
