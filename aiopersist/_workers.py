@@ -163,6 +163,7 @@ def exit_wait_left() -> float:
             _exit_wait_deadline = time.monotonic() + EXIT_WAIT_SECONDS
         return max(0.0, _exit_wait_deadline - time.monotonic())
 
+
 kept: list[Any] = []
 """What a refused thread could not let go of safely (see `_ExitGate.drop`): the works and
 process group of a gather the exit gave up on. Never freed, not even when the interpreter
