@@ -49,6 +49,7 @@ from typing import Any, cast
 import torch
 
 try:
+    from accelerate.optimizer import AcceleratedOptimizer  # type: ignore[import-untyped]
     from transformers import (
         PreTrainedModel,
         Trainer,
@@ -61,7 +62,7 @@ try:
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
     from transformers.training_args import ParallelMode
 except ModuleNotFoundError as exc:
-    if exc.name is None or exc.name.split(".")[0] != "transformers":
+    if exc.name is None or exc.name.split(".")[0] not in ("transformers", "accelerate"):
         raise
     raise ModuleNotFoundError(
         "aiopersist.integrations.transformers needs the transformers package: "
@@ -238,6 +239,10 @@ class AioPersistCallback(TrainerCallback):
         # The checkpoints this training has started to save (on every rank): a save in
         # flight has no directory yet, but counts as one for the best checkpoint.
         self._started: set[str] = set()
+        self._early_fence: str | None = None
+        """Why this run's parameters change before the optimizer step (`_early_fence_reason`),
+        if they do: the fence is then waited on at each step's beginning."""
+        self._early_fence_known = False
         self.saved: list[str] = []
         """Paths of the checkpoints committed so far, oldest first."""
         self.infos: list[SaveInfo] = []
@@ -332,6 +337,7 @@ class AioPersistCallback(TrainerCallback):
         if args.should_save and args.output_dir:
             _remove_leftovers(str(args.output_dir))
         self._started = set()
+        self._early_fence, self._early_fence_known = None, False
         self._guard(trainer)
         self._attach(trainer)
 
@@ -348,6 +354,23 @@ class AioPersistCallback(TrainerCallback):
                 log.warning("aiopersist: the last save of the previous training run failed: %s", exc)
         if committer is not None:
             committer.join()
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # Where something changes the parameters before the optimizer step (the fence's
+        # point), the save must have left them before the step's forward.
+        if not self._early_fence_known and self._trainer is not None:
+            self._early_fence_known = True
+            self._early_fence = _early_fence_reason(self._trainer)
+            if self._early_fence is not None:
+                log.info(
+                    "aiopersist: %s: each save is waited for (every byte out of the parameters) before the "
+                    "next step begins, so the step's forward and backward do not overlap it",
+                    self._early_fence,
+                )
+        if self._early_fence is not None and self._handle is not None:
+            self._handle.wait_staged()
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -734,6 +757,29 @@ def _fsdp_plugin(trainer: Trainer) -> Any:
     if not getattr(trainer, "is_fsdp_enabled", False):
         return None
     return check_plugin(cast(Any, trainer).accelerator.state.fsdp_plugin, "AioPersistCallback")
+
+
+def _early_fence_reason(trainer: Trainer) -> str | None:
+    """Why ``trainer``'s parameters change before the optimizer step, where the fence
+    holds a save's tensors by default, if they do: an optimizer with ``train()`` (the
+    Trainer calls it before each step's forward; a schedule-free optimizer moves the
+    parameters there), one that steps inside ``backward()`` (transformers' layerwise
+    GaLore/APOLLO, LOMO), or an embedding with ``max_norm`` (its forward renormalises the
+    rows it looks up, in place)."""
+    optimizer = trainer.optimizer
+    while isinstance(optimizer, AcceleratedOptimizer):  # it forwards train() whatever it wraps
+        optimizer = optimizer.optimizer
+    if callable(getattr(optimizer, "train", None)):
+        return f"the optimizer ({type(optimizer).__name__}) has train(), which may move the parameters"
+    if hasattr(optimizer, "optimizer_dict") or str(trainer.args.optim).lower() in ("lomo", "adalomo"):
+        return f"the optimizer ({type(optimizer).__name__}) steps inside backward()"
+    model = trainer.model
+    if isinstance(model, torch.nn.Module):
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Embedding | torch.nn.EmbeddingBag) and module.max_norm is not None:
+                kind = type(module).__name__
+                return f"{name or 'the model'} ({kind} with max_norm) renormalises rows in the forward"
+    return None
 
 
 def _running_trainer(callback: AioPersistCallback) -> Trainer:

@@ -1076,3 +1076,127 @@ def test_under_ddp_save_on_each_node_across_nodes_is_refused(tmp_path: Path) -> 
     for o in outs:
         assert "save_on_each_node across nodes" in o["refused"], o
         assert "processes [1]" in o["refused"], o
+
+
+# -- parameters that change before the optimizer step -------------------------------------
+
+
+class _ShiftingSGD(torch.optim.SGD):
+    """SGD with a schedule-free optimizer's protocol: ``eval()`` moves every parameter in
+    place (to its evaluation point, here +1), ``train()`` moves it back. The Trainer calls
+    ``eval()`` in its evaluation and ``train()`` at the start of each step, before the
+    forward: after a save that follows an evaluation, ``train()`` changes the parameters
+    the save is reading, long before the optimizer step."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        self.evaluating = False
+        self.saves_staged: list[bool] = []  # at each train() that moved the parameters
+        self.callback: AioPersistCallback | None = None
+
+    @torch.no_grad()
+    def _shift(self, by: float) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(by)
+
+    def eval(self) -> None:
+        if not self.evaluating:
+            self._shift(1.0)
+            self.evaluating = True
+
+    def train(self) -> None:
+        if self.evaluating:
+            handle = self.callback._handle if self.callback is not None else None
+            if handle is not None:
+                self.saves_staged.append(handle.staged())
+            self._shift(-1.0)
+            self.evaluating = False
+
+
+class _Regression(torch.nn.Module):
+    def __init__(self, max_norm: float | None) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50_000, 64, max_norm=max_norm)
+        with torch.no_grad():
+            self.emb.weight.mul_(10.0)  # every row past max_norm until it is looked up
+        self.layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.layers(self.emb(input_ids)).mean(dim=(1, 2))
+        return torch.nn.functional.mse_loss(y, labels), y
+
+
+class _Ids(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 50_000, (n, 512), generator=g)
+        self.y = torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.y[i]}
+
+
+def _moving_run(
+    out: Path, case: str, callback: AioPersistCallback | None
+) -> dict[int, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    from transformers import Trainer, TrainingArguments, set_seed
+
+    set_seed(0)
+    model = _Regression(max_norm=1.0 if case == "embedding-max-norm" else None)
+    staged: list[bool] = []
+    optimizers: Any = (None, None)
+    if case == "optimizer-train":
+        optimizer = _ShiftingSGD(model.parameters(), lr=1e-2)
+        optimizer.callback = callback
+        optimizers = (optimizer, None)
+    else:
+
+        def before_forward(*_: Any) -> None:  # the forward renormalises rows in place
+            if callback is not None and callback._handle is not None:
+                staged.append(callback._handle.staged())
+
+        model.register_forward_pre_hook(before_forward)
+    args = TrainingArguments(
+        str(out), max_steps=6, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+        eval_strategy="steps", eval_steps=2, save_steps=2, learning_rate=1e-2, lr_scheduler_type="constant",
+        optim="sgd", report_to=[], disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    trainer = Trainer(
+        model, args, train_dataset=_Ids(32), eval_dataset=_Ids(8), optimizers=optimizers,
+        callbacks=[callback] if callback is not None else [],
+    )  # fmt: skip
+    trainer.train()
+    if case == "optimizer-train":
+        staged = optimizers[0].saves_staged
+    if callback is not None:
+        assert staged, "no save was in flight where the parameters moved: the test tests nothing"
+        assert all(staged), staged  # every save had left the parameters before they moved
+    return {s: load_file(str(out / f"checkpoint-{s}" / "model.safetensors")) for s in (2, 4, 6)}
+
+
+@pytest.mark.parametrize("case", ["optimizer-train", "embedding-max-norm"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parameters_that_move_before_the_optimizer_step_are_saved_as_stock(
+    tmp_path: Path, backend: str, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Parameters that change before the optimizer step (where the fence holds a save's
+    tensors): a schedule-free-style optimizer's ``train()``, which the Trainer calls before
+    each step's forward (it moved the parameters of a checkpoint saved after an
+    evaluation while the save read them: every tensor differed from stock), and an
+    embedding with ``max_norm``, whose forward renormalises rows in place (hundreds of
+    rows differed). The callback waits for the save before such a run's next step: every
+    checkpoint equals the stock run's, bit for bit, and the log says why."""
+    stock = _moving_run(tmp_path / "stock", case, None)
+    with caplog.at_level(logging.INFO, logger="aiopersist"):
+        ours = _moving_run(tmp_path / "ours", case, AioPersistCallback(backend=backend))
+    for step, tensors in stock.items():
+        assert tensors.keys() == ours[step].keys()
+        for name, t in tensors.items():
+            assert torch.equal(t, ours[step][name]), (case, step, name)
+    said = "has train(), which may move" if case == "optimizer-train" else "renormalises rows in the forward"
+    assert any(said in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
