@@ -1234,8 +1234,9 @@ def _check_planner_data(data: object, values: dict[str, object], where: str) -> 
                     f"{where}: {fqn}: planner_data's place for it goes through another value,"
                     " or through a list that is also a dict"
                 )
-            if type(key) is int and key > highest.get(node, -1):
-                slots += key - highest.get(node, -1)
+            top = highest.get(node, -1)
+            if type(key) is int and key > top:
+                slots += key - top
                 highest[node] = key
                 if slots > budget:
                     raise CheckpointCorruptError(

@@ -242,7 +242,6 @@ class AioPersistCallback(TrainerCallback):
         self._early_fence: str | None = None
         """Why this run's parameters change before the optimizer step (`_early_fence_reason`),
         if they do: the fence is then waited on at each step's beginning."""
-        self._early_fence_known = False
         self.saved: list[str] = []
         """Paths of the checkpoints committed so far, oldest first."""
         self.infos: list[SaveInfo] = []
@@ -337,7 +336,14 @@ class AioPersistCallback(TrainerCallback):
         if args.should_save and args.output_dir:
             _remove_leftovers(str(args.output_dir))
         self._started = set()
-        self._early_fence, self._early_fence_known = None, False
+        # The optimizer is made (and wrapped) before on_train_begin.
+        self._early_fence = _early_fence_reason(trainer)
+        if self._early_fence is not None:
+            log.info(
+                "aiopersist: %s: each save is waited for (every byte out of the parameters) before the "
+                "next step begins, so the step's forward and backward do not overlap it",
+                self._early_fence,
+            )
         self._guard(trainer)
         self._attach(trainer)
 
@@ -360,15 +366,6 @@ class AioPersistCallback(TrainerCallback):
     ) -> None:
         # Where something changes the parameters before the optimizer step (the fence's
         # point), the save must have left them before the step's forward.
-        if not self._early_fence_known and self._trainer is not None:
-            self._early_fence_known = True
-            self._early_fence = _early_fence_reason(self._trainer)
-            if self._early_fence is not None:
-                log.info(
-                    "aiopersist: %s: each save is waited for (every byte out of the parameters) before the "
-                    "next step begins, so the step's forward and backward do not overlap it",
-                    self._early_fence,
-                )
         if self._early_fence is not None and self._handle is not None:
             self._handle.wait_staged()
 
@@ -771,7 +768,7 @@ def _early_fence_reason(trainer: Trainer) -> str | None:
         optimizer = optimizer.optimizer
     if callable(getattr(optimizer, "train", None)):
         return f"the optimizer ({type(optimizer).__name__}) has train(), which may move the parameters"
-    if hasattr(optimizer, "optimizer_dict") or str(trainer.args.optim).lower() in ("lomo", "adalomo"):
+    if hasattr(optimizer, "optimizer_dict") or trainer.args.optim in ("lomo", "adalomo"):  # a str enum
         return f"the optimizer ({type(optimizer).__name__}) steps inside backward()"
     model = trainer.model
     if isinstance(model, torch.nn.Module):
