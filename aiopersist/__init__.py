@@ -32,6 +32,7 @@ from ._exceptions import CheckpointNotFoundError as CheckpointNotFoundError
 from ._exceptions import ClosedError as ClosedError
 from ._exceptions import DirectoryInUseError as DirectoryInUseError
 from ._exceptions import DiskFullError as DiskFullError
+from ._exceptions import LinkedFileError as LinkedFileError
 from ._exceptions import NewerFormatError as NewerFormatError
 from ._exceptions import NotEnoughMemoryError as NotEnoughMemoryError
 from ._exceptions import RankFailedError as RankFailedError
@@ -85,6 +86,7 @@ __all__ = [
     "KeepEvery",
     "KeepLast",
     "KeepSteps",
+    "LinkedFileError",
     "ManagedSaveHandle",
     "NotEnoughMemoryError",
     "RNGState",

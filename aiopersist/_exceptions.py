@@ -91,6 +91,14 @@ class NewerFormatError(CheckpointCorruptError):
     Trainer's rotation never delete such a checkpoint as broken."""
 
 
+class LinkedFileError(CheckpointCorruptError):
+    """A file or directory of the checkpoint is a symbolic link, or two of its files are
+    one file under two names (hard links): refused, since a load never reads through a
+    link, but not proof that the checkpoint is broken (its data may be intact where the
+    link leads: a DVC or git-annex checkout, a deduplicating copy). Retention, ``gc`` and
+    the Trainer's rotation never delete such a checkpoint as broken."""
+
+
 class UnsupportedStateError(AiopersistError, TypeError):
     """The object to save contains something aiopersist cannot store; names its path."""
 

@@ -16,7 +16,12 @@ A checkpoint spread over several directories has its parts in ``part-<token>``
 directories. Given only the checkpoint, they are found where the manifest says (relative
 paths, checked to end in the part's own name). Given the list of directories the save was
 given (as `CheckpointManager` does), they are found in those directories instead, never
-where the manifest points: a copied or forked run reads its own parts.
+where the manifest points: a copied or forked run reads its own parts, and a list of one
+directory has none (a checkpoint that says it has parts elsewhere is not found whole).
+
+A symbolic link where a file or directory of the checkpoint should be, or one file under
+two names, is refused with `LinkedFileError`: nothing is read through it, but it is not
+proof of damage (the data may be intact where it leads).
 """
 
 from __future__ import annotations
@@ -29,7 +34,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._direct import DirectIOInfo, open_regular, probe_file_for_read
-from ._exceptions import AiopersistError, CheckpointCorruptError, CheckpointNotFoundError, from_os_error
+from ._exceptions import (
+    AiopersistError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    LinkedFileError,
+    from_os_error,
+)
 from ._format import load_json
 from ._manifest import (
     MAX_INDEX_BYTES,
@@ -117,40 +128,42 @@ def file_problem(path: str, nbytes: int | None = None, root: str | None = None) 
 
 def _checked_file(
     path: str, nbytes: int | None = None, root: str | None = None
-) -> tuple[str | None, os.stat_result | None]:
-    """`file_problem`, and the file's ``lstat`` when there is none."""
+) -> tuple[str | None, os.stat_result | None, bool]:
+    """`file_problem`, the file's ``lstat`` when there is none, and whether the problem is
+    a symbolic link (on the way or the file itself: refused, not proof of damage)."""
     subdirectories = member_directories([os.path.relpath(path, root)]) if root is not None else []
     for sub in subdirectories:  # parents first
         place = os.path.join(root or "", sub)
         try:
             mode = os.lstat(place).st_mode
         except FileNotFoundError:
-            return f"missing (no subdirectory {sub})", None
+            return f"missing (no subdirectory {sub})", None, False
         except OSError as exc:
             raise from_os_error(exc, "lstat", place) from exc
         if not stat.S_ISDIR(mode):
-            return f"{sub} is {_kind_of(mode)}, not a subdirectory", None
+            return f"{sub} is {_kind_of(mode)}, not a subdirectory", None, stat.S_ISLNK(mode)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return "missing", None
+        return "missing", None, False
     except OSError as exc:
         raise from_os_error(exc, "lstat", path) from exc
     if not stat.S_ISREG(st.st_mode):
-        return f"{_kind_of(st.st_mode)}, not a regular file", None
+        return f"{_kind_of(st.st_mode)}, not a regular file", None, stat.S_ISLNK(st.st_mode)
     if nbytes is not None and st.st_size != nbytes:
-        return f"{st.st_size} bytes, the manifest says {nbytes} (truncated or replaced)", None
-    return None, st
+        return f"{st.st_size} bytes, the manifest says {nbytes} (truncated or replaced)", None, False
+    return None, st, False
 
 
 def regular_stat(path: str, where: str, nbytes: int | None = None) -> os.stat_result:
     """The ``lstat`` of ``path``, a regular file (not a link) of ``nbytes`` bytes when
-    given; `CheckpointCorruptError` naming ``where`` (what listed it) otherwise."""
-    problem, st = _checked_file(path, nbytes)
+    given; `CheckpointCorruptError` naming ``where`` (what listed it) otherwise
+    (`LinkedFileError` for a link)."""
+    problem, st, linked = _checked_file(path, nbytes)
     if problem == "missing":
         raise CheckpointCorruptError(f"{path}: missing ({where} lists it)")
     if problem is not None or st is None:
-        raise CheckpointCorruptError(f"{path}: {problem} ({where} lists it)")
+        raise (LinkedFileError if linked else CheckpointCorruptError)(f"{path}: {problem} ({where} lists it)")
     return st
 
 
@@ -162,7 +175,7 @@ def regular_size(path: str, where: str, nbytes: int | None = None) -> int:
 
 def distinct_files(found: Sequence[tuple[str, os.stat_result]], where: str) -> None:
     """No two of the files ``found`` (path and ``lstat``) are one file under two names (hard
-    links, or one directory reached twice): `CheckpointCorruptError` naming both. A load
+    links, or one directory reached twice): `LinkedFileError` naming both. A load
     would read it, and allocate its size, once for each name (a tarball keeps the links:
     one file of 16 MiB under 100 names loaded as 1.6 GiB). Empty files are not read, and
     may be one."""
@@ -172,7 +185,7 @@ def distinct_files(found: Sequence[tuple[str, os.stat_result]], where: str) -> N
             continue
         first = seen.setdefault((st.st_dev, st.st_ino), path)
         if first != path:
-            raise CheckpointCorruptError(
+            raise LinkedFileError(
                 f"{path}: the same file as {first} (hard links): {where} lists one file under two names"
             )
 
@@ -188,7 +201,7 @@ def read_small(path: str, limit: int) -> bytes:
         raise CheckpointNotFoundError(f"{path}: no such file") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise CheckpointCorruptError(f"{path}: a symbolic link, not a regular file") from None
+            raise LinkedFileError(f"{path}: a symbolic link, not a regular file") from None
         if exc.errno == errno.ENXIO:  # a socket cannot be opened: what it is, not an I/O error
             with contextlib.suppress(OSError):
                 mode = os.lstat(path).st_mode
@@ -248,11 +261,14 @@ def token_at(directory: str) -> str | None:
 
 def part_places(primary: str, manifest: Manifest, given: Sequence[str] = ()) -> tuple[str, ...]:
     """The absolute directory of each of the manifest's directories: the checkpoint, then
-    its parts, in the directories ``given`` (the save's list, after the checkpoint's own)
-    when there are any, else where the manifest's relative paths lead."""
+    its parts, in the directories ``given`` (the save's list, the checkpoint's own first)
+    when it is given, even a list of one (a checkpoint with files in more directories than
+    that is then `CheckpointNotFoundError`), else where the manifest's relative paths lead
+    (as for a directory past the list that holds none of its files: nothing is read there)."""
     places = [primary]
+    used = {rec.directory for rec in manifest.files.values()}
     for i, rel in enumerate(manifest.directories[1:], 1):
-        if len(given) > 1:
+        if given and (i < len(given) or i in used):
             if i >= len(given):
                 raise CheckpointNotFoundError(
                     f"{primary}: the checkpoint has parts in {len(manifest.directories) - 1} more "
@@ -274,12 +290,15 @@ def _check_part(place: str, where: str, what: str = "part directory") -> None:
     except OSError as exc:
         raise from_os_error(exc, "lstat", place) from exc
     if not stat.S_ISDIR(st.st_mode):
-        raise CheckpointCorruptError(f"{place}: {_kind_of(st.st_mode)}, not a {what} ({where})")
+        error = LinkedFileError if stat.S_ISLNK(st.st_mode) else CheckpointCorruptError
+        raise error(f"{place}: {_kind_of(st.st_mode)}, not a {what} ({where})")
 
 
 def locate(path: PathArg) -> Located:
     """Find the checkpoint at ``path`` and check everything about it but its data (see the
-    module docstring). ``path`` may be the list of directories it was saved to."""
+    module docstring). ``path`` may be the list of directories it was saved to: its parts
+    are then looked for there only (a list of one: it has none)."""
+    listed = not isinstance(path, str | os.PathLike)
     paths = checkpoint_paths(path)
     target = paths[0]
     if os.path.basename(target) == MANIFEST_NAME and file_problem(target) is None:
@@ -289,7 +308,7 @@ def locate(path: PathArg) -> Located:
         mpath = os.path.join(target, MANIFEST_NAME)
         if os.path.lexists(mpath):
             manifest = read_manifest(target)
-            places = part_places(target, manifest, paths)
+            places = part_places(target, manifest, paths if listed else ())
             for i in sorted({rec.directory for rec in manifest.files.values()} - {0}):
                 _check_part(places[i], mpath)  # a directory the save wrote nothing to was not made
             by_directory: dict[int, list[str]] = {}

@@ -63,10 +63,12 @@ from ._dist import FAILURES, Exchanges, coordinator
 from ._exceptions import (
     AiopersistError,
     CheckpointCorruptError,
+    CheckpointExistsError,
     CheckpointIOError,
     CheckpointNotFoundError,
     ClosedError,
     DirectoryInUseError,
+    LinkedFileError,
     NewerFormatError,
     from_os_error,
     maps_os_errors,
@@ -89,6 +91,7 @@ from ._names import (
     LOCK_NAME,
     MANAGER_STEPS,
     MANIFEST_NAME,
+    MAX_STEP,
     OLD_MARKER,
     PART_RE,
     STEP_LAYOUTS,
@@ -209,7 +212,13 @@ class StepInfo:
     """Incomplete, and proven broken (no manifest, a file missing or of the wrong size, a
     manifest that fails its checks): the only incomplete checkpoints that ``gc`` and the
     Trainer's rotation delete. One that could not be told (a newer format, an I/O error,
-    a manifest recording another step than its name) is reported and left alone."""
+    a manifest recording another step than its name) or that is refused for a link (the
+    step directory, a file or a subdirectory of it, or files hard-linked to each other:
+    `LinkedFileError`) is reported and left alone."""
+    layout: str = ""
+    """The manifest's layout: ``state`` (what `aiopersist.save` writes), ``hf-model``,
+    ``dcp`` (a ``torch.distributed.checkpoint`` directory) or ``fsdp``; ``""`` when it
+    has none (a stock checkpoint, or an incomplete one)."""
 
 
 def check_step(path: PathArg) -> tuple[bool, int, str | None]:
@@ -217,27 +226,28 @@ def check_step(path: PathArg) -> tuple[bool, int, str | None]:
     with its size), its size, and what is wrong otherwise. Reads no tensor data. ``path``
     may be the list of directories it was saved to (its parts are then looked for there).
     Never raises for a damaged checkpoint: whatever is wrong is the answer."""
-    complete, nbytes, problem, _ = _check_step(path)
+    complete, nbytes, problem, _, _ = _checked_step(path)
     return complete, nbytes, problem
 
 
-def _check_step(path: PathArg, step: int | None = None) -> tuple[bool, int, str | None, bool]:
-    """`check_step`, and whether an incomplete checkpoint is proven damaged (see
-    `StepInfo.damaged`). With ``step``, a manifest that records another step (a copy put
-    under another name) is not taken for it."""
+def _checked_step(path: PathArg, step: int | None = None) -> tuple[bool, int, str | None, bool, str]:
+    """`check_step`, whether an incomplete checkpoint is proven damaged (see
+    `StepInfo.damaged`), and the manifest's layout when it is complete. With ``step``, a
+    manifest that records another step (a copy put under another name) is not taken for
+    it."""
     try:
         loc = locate(path)
-    except NewerFormatError as exc:
-        return False, 0, str(exc), False
+    except (NewerFormatError, LinkedFileError) as exc:  # refused, not proven broken
+        return False, 0, str(exc), False, ""
     except CheckpointCorruptError as exc:
-        return False, 0, str(exc), True
+        return False, 0, str(exc), True, ""
     except AiopersistError as exc:  # an I/O error (permissions, descriptors): not proof of damage
-        return False, 0, str(exc), False
+        return False, 0, str(exc), False, ""
     except Exception as exc:  # whatever it is, it is reported, never stops a listing
         log.debug("aiopersist: checking %s raised", path, exc_info=True)
-        return False, 0, f"{type(exc).__name__}: {exc}", False
+        return False, 0, f"{type(exc).__name__}: {exc}", False, ""
     if loc.manifest is None:
-        return False, 0, f"no {MANIFEST_NAME}", True
+        return False, 0, f"no {MANIFEST_NAME}", True, ""
     recorded = loc.manifest.metadata.get("step")
     if step is not None and recorded is not None and recorded != str(step):
         return (
@@ -245,8 +255,26 @@ def _check_step(path: PathArg, step: int | None = None) -> tuple[bool, int, str 
             0,
             f"its manifest records step {recorded!r}, not {step} (a copy under another name?)",
             False,
+            "",
         )
-    return True, sum(loc.sizes.values()), None, False
+    return True, sum(loc.sizes.values()), None, False, loc.manifest.layout
+
+
+def linked_step_directory(paths: Sequence[str]) -> str | None:
+    """The first of a step's directories (its name in each of the directories it is
+    spread over) that is there but is not a directory of its own: a symbolic link (to
+    another run's step, or anywhere), or a file. A manager neither reads, writes nor
+    deletes through such a name: the step is someone else's. ``None``: there is none."""
+    for path in paths:
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise from_os_error(exc, "lstat", path) from exc
+        if not stat.S_ISDIR(mode):
+            return path
+    return None
 
 
 def step_paths(directories: Sequence[str], name: str) -> list[str]:
@@ -258,10 +286,12 @@ def scan(
     directories: str | Sequence[str], tier: str = "local", layout: StepLayout = MANAGER_STEPS
 ) -> list[StepInfo]:
     """Every ``step-N`` in ``directories`` (one, or the list a save spreads over: each step's
-    parts are looked for in those), by step. With ``layout=TRAINER_STEPS``, every
-    ``checkpoint-N`` of a Trainer's ``output_dir`` instead: one with a manifest is checked
-    as any aiopersist checkpoint, one without is the stock save's (``kind="stock"``),
-    complete once it has ``trainer_state.json``."""
+    parts are looked for in those only, even in a list of one; given one directory as a
+    string, where its manifest says, as `aiopersist.load` of a path looks), by step. With
+    ``layout=TRAINER_STEPS``, every ``checkpoint-N`` of a Trainer's ``output_dir`` instead:
+    one with a manifest is checked as any aiopersist checkpoint, one without is the stock
+    save's (``kind="stock"``), complete once it has ``trainer_state.json``. A step whose
+    name is a link (in any of the directories) is listed incomplete and left alone."""
     dirs = [directories] if isinstance(directories, str) else list(directories)
     directory = dirs[0]
     try:
@@ -277,12 +307,19 @@ def scan(
             continue
         path = os.path.join(directory, name)
         if not os.path.isdir(path):
+            continue  # a file, a link to nothing or to no directory: not a checkpoint
+        where = step_paths(dirs, name)
+        linked = linked_step_directory(where)
+        if linked is not None:
+            why = f"{linked} is a symbolic link or a file, not a directory of its own: left alone"
+            out.append(StepInfo(step, path, tier, False, 0, why))
             continue
         if layout.stock_file is not None and not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
             out.append(_stock_step(step, path, tier, layout.stock_file))
             continue
-        complete, nbytes, problem, damaged = _check_step(step_paths(dirs, name), step)
-        out.append(StepInfo(step, path, tier, complete, nbytes, problem, damaged=damaged))
+        listed = where if not isinstance(directories, str) else where[0]
+        complete, nbytes, problem, damaged, kind = _checked_step(listed, step)
+        out.append(StepInfo(step, path, tier, complete, nbytes, problem, damaged=damaged, layout=kind))
     return sorted(out, key=lambda s: s.step)
 
 
@@ -321,7 +358,11 @@ def delete_step(path: PathArg) -> None:
     primary = paths[0]
     parent = os.path.dirname(primary)
     trash = beside(primary, TRASH_MARKER, uuid.uuid4().hex[:12])
-    parts = own_parts(paths, token_at(primary)) if len(paths) > 1 else []
+    parts = [
+        part
+        for part in (own_parts(paths, token_at(primary)) if len(paths) > 1 else [])
+        if _is_real_directory(os.path.dirname(part))  # never through a link to another run's step
+    ]
     try:
         in_work_place(trash, lambda: os.rename(primary, trash))
     except FileNotFoundError:
@@ -353,8 +394,9 @@ def clean_leftovers(directories: Sequence[str]) -> list[str]:
                 step = name[1:].split(OLD_MARKER)[0]
                 final = os.path.join(primary, step)
                 named = any(layout.step_of(step) is not None for layout in STEP_LAYOUTS)
-                if named and not os.path.lexists(final):
-                    os.rename(os.path.join(primary, name), final)
+                moved = os.path.join(primary, name)
+                if named and not os.path.lexists(final) and _is_real_directory(moved):
+                    os.rename(moved, final)
                     fsync_directory(primary)
                     continue
         for name in os.listdir(primary):
@@ -623,7 +665,7 @@ class CheckpointManager:
         found = scan(self.directories, "local")
         if self.mirror is not None:
             try:
-                found += scan(self.mirror, "mirror")
+                found += scan([self.mirror], "mirror")
             except AiopersistError as exc:  # an unavailable mirror hides nothing local
                 log.warning("aiopersist: the mirror %s cannot be read: %s", self.mirror, exc)
         return sorted(found, key=lambda s: (s.step, s.tier != "local"))
@@ -676,9 +718,19 @@ class CheckpointManager:
                 raise ClosedError("the CheckpointManager is closed")
             if isinstance(step, bool) or not isinstance(step, int) or step < 0:
                 raise TypeError(f"step must be a non-negative int, got {step!r}")
+            if step > MAX_STEP:
+                raise ValueError(f"step must be at most {MAX_STEP} (18 digits), got {step}")
             if metadata is not None and metadata.get("step", str(step)) != str(step):
                 raise ValueError(
                     f"metadata: 'step' is the manager's ({step}), got {metadata['step']!r}: name it otherwise"
+                )
+            linked = await asyncio.to_thread(
+                linked_step_directory, step_paths(self.directories, step_name(step))
+            )
+            if linked is not None:
+                raise CheckpointExistsError(
+                    f"{linked}: a symbolic link or a file where step {step}'s directory goes: the manager "
+                    "writes and deletes only in directories of its own, never through a link; remove it"
                 )
         except Exception as exc:
             # With several ranks the others are told at the save's first exchange, rather
@@ -782,7 +834,7 @@ class CheckpointManager:
         async with self._mirror_lock:
             # The scans read every step's manifest: in a worker thread.
             local = [s for s in await asyncio.to_thread(scan, self.directories, "local") if s.complete]
-            there = {s.step for s in await asyncio.to_thread(scan, self.mirror, "mirror") if s.complete}
+            there = {s.step for s in await asyncio.to_thread(scan, [self.mirror], "mirror") if s.complete}
             wanted = [s.step for s in local if s.step not in there]
             self._mirroring.update(wanted)  # local retention leaves them until copied
             keep = set(wanted) - set(to_delete(sorted(there | set(wanted)), self.mirror_retention))
@@ -860,7 +912,9 @@ class CheckpointManager:
             if coord is not None:
                 # The ranks' exchanges must not meet those of this manager's saves in flight.
                 await self.checkpointer.wait()
-            found = [s for s in await asyncio.to_thread(self.scan) if step is None or s.step == step]
+            found = [
+                _restorable(s) for s in await asyncio.to_thread(self.scan) if step is None or s.step == step
+            ]
         except FAILURES as exc:  # a cancellation too: told to the others, then raised
             error = exc
         complete = sorted({s.step for s in found if s.complete}, reverse=True)
@@ -966,6 +1020,21 @@ class CheckpointManager:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+UNRESTORABLE_LAYOUTS = {
+    "dcp": "a torch.distributed.checkpoint directory (load it with dcp.load and AiopersistReader)",
+    "fsdp": "an FSDP checkpoint of the Trainer or Accelerate (resume from it there)",
+}
+"""Layouts a manager's directory may hold (retention and ``gc`` count them) that `restore`
+does not load, and why."""
+
+
+def _restorable(info: StepInfo) -> StepInfo:
+    """``info``, or, for a checkpoint `restore` cannot load (`UNRESTORABLE_LAYOUTS`), the
+    same marked incomplete for the restore, saying why (it is not damaged)."""
+    why = UNRESTORABLE_LAYOUTS.get(info.layout)
+    return info if why is None else dataclasses.replace(info, complete=False, problem=why)
 
 
 def _norm(path: str) -> str:

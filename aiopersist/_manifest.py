@@ -13,6 +13,7 @@ import json
 import math
 import os
 import posixpath
+import reprlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -794,6 +795,15 @@ def _rank_part(spec: dict[str, Any], nbytes: Mapping[str, int], what: str, where
     """One rank's skeleton, aliases and views (the top level's, or a ``ranks`` entry's)."""
     views = _views(spec.get("views", {}), nbytes, f"{what}views", where)
     aliases = _aliases(spec.get("aliases", {}), nbytes, views, f"{what}aliases", where)
+    # One name, one thing: a view or an alias named like a stored tensor (or an alias like
+    # a view) would shadow it, and could name itself through its target.
+    for name in views:
+        if name in nbytes:
+            raise CheckpointCorruptError(f"{where}: {what}views[{name!r}]: the name of a stored tensor")
+    for name in aliases:
+        if name in nbytes or name in views:
+            kind = "stored tensor" if name in nbytes else "view"
+            raise CheckpointCorruptError(f"{where}: {what}aliases[{name!r}]: the name of a {kind}")
     if "skeleton" not in spec:
         raise CheckpointCorruptError(f"{where}: {what}skeleton is missing")
     skeleton = spec["skeleton"]
@@ -828,8 +838,14 @@ def _build(doc: dict[str, Any], version: int, where: str) -> Manifest:
         raise CheckpointCorruptError(f"{where}: world_size must be at least 1")
     ranks: dict[int, RankState] = {}
     for key, spec in _object(doc["ranks"], "ranks", where).items() if version >= 2 and "ranks" in doc else ():
-        if not key.isdecimal() or not 0 < int(key) < world_size:
-            raise CheckpointCorruptError(f"{where}: ranks: {key!r} is not a rank from 1 to {world_size - 1}")
+        # ASCII digits, canonical, no longer than the largest rank (int() of thousands of
+        # digits raises, and isdecimal() takes any script's digits).
+        if not (key.isascii() and key.isdigit() and len(key) <= len(str(MAX_WORLD_SIZE))) or not (
+            str(int(key)) == key and 0 < int(key) < world_size
+        ):
+            raise CheckpointCorruptError(
+                f"{where}: ranks: {reprlib.repr(key)} is not a rank from 1 to {world_size - 1}"
+            )
         ranks[int(key)] = _rank_part(
             _object(spec, f"ranks[{key!r}]", where), nbytes, f"ranks[{key!r}].", where
         )

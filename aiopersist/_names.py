@@ -50,12 +50,16 @@ LOCK_NAME = ".aiopersist-manager.lock"
 
 PART_PREFIX = "part-"
 PART_RE = re.compile(rf"^{PART_PREFIX}([0-9a-f]{{8,64}})\Z")
-STEP_RE = re.compile(r"step-(0|[1-9][0-9]*)", re.ASCII)
-CHECKPOINT_RE = re.compile(r"checkpoint-(0|[1-9][0-9]*)", re.ASCII)
-"""Step names are canonical: ASCII digits, no leading zero, nothing after them (matched
-whole: ``step-03``, a step in another script's digits, or ``step-3`` and a newline would
-read as step 3, while ``step_name(3)`` is another directory). Other names are not steps:
-never counted, never deleted."""
+MAX_STEP = 10**18 - 1
+"""The highest step number: 18 digits (a step name, with the work names made beside it,
+stays far under a file name's 255 bytes; a name of hundreds of digits would make every
+temporary name beside it too long)."""
+STEP_RE = re.compile(r"step-(0|[1-9][0-9]{0,17})", re.ASCII)
+CHECKPOINT_RE = re.compile(r"checkpoint-(0|[1-9][0-9]{0,17})", re.ASCII)
+"""Step names are canonical: ASCII digits, no leading zero, at most `MAX_STEP`, nothing
+after them (matched whole: ``step-03``, a step in another script's digits, or ``step-3``
+and a newline would read as step 3, while ``step_name(3)`` is another directory). Other
+names are not steps: never counted, never deleted."""
 
 
 @dataclass(frozen=True)

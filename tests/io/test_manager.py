@@ -603,7 +603,7 @@ async def test_the_async_scans_run_off_the_event_loop(
 
     loop_thread = threading.get_ident()
     readers: set[int] = set()
-    real = _manager._check_step
+    real = _manager._checked_step
 
     def watched(*args: Any, **kwargs: Any) -> Any:
         readers.add(threading.get_ident())
@@ -613,7 +613,7 @@ async def test_the_async_scans_run_off_the_event_loop(
         for step in (1, 2):
             await (await mgr.save(step, state_of(step))).wait()
         await mgr.wait()
-        monkeypatch.setattr(_manager, "_check_step", watched)
+        monkeypatch.setattr(_manager, "_checked_step", watched)
         assert await mgr.asteps() == [1, 2]
         assert await mgr.alatest() == 2
         assert [s.step for s in await mgr.ascan()] == [1, 2]

@@ -663,6 +663,200 @@ async def test_restore_falls_back_to_the_newest_step_that_loads(
         assert target["step"] == 2  # the failed restores changed nothing
 
 
+# -- links where a manager's steps are, and refusals that are not damage ----------------------
+
+
+def _two_disk_state(step: int) -> dict[str, Any]:
+    return {"step": step, "w": torch.full((256, 256), float(step)), "v": torch.ones(256, 256)}
+
+
+async def test_a_fork_whose_other_disk_links_to_the_original_touches_none_of_its_parts(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A two-disk run forked cheaply: the first directory copied, the second disk's
+    ``step-N`` made links to the original's. The fork's steps are left alone (neither
+    restored, nor counted, nor deleted by retention or gc); its save over such a step is
+    refused; the original keeps every part."""
+    orig = [tmp_path / "orig-a", tmp_path / "orig-b"]
+    async with aiopersist.CheckpointManager(orig, backend=backend_name) as mgr:
+        for step in (1, 2, 3):
+            await (await mgr.save(step, _two_disk_state(step))).done
+    parts = sorted(p.relative_to(orig[1]) for p in orig[1].rglob("*"))
+    fork = [tmp_path / "fork-a", tmp_path / "fork-b"]
+    shutil.copytree(orig[0], fork[0], symlinks=True)
+    fork[1].mkdir()
+    for step in (1, 2, 3):
+        (fork[1] / f"step-{step}").symlink_to(orig[1] / f"step-{step}")
+    async with aiopersist.CheckpointManager(fork, keep_last=1, backend=backend_name) as mgr:
+        found = {s.step: s for s in mgr.scan()}
+        assert sorted(found) == [1, 2, 3]
+        for info in found.values():
+            assert not info.complete
+            assert not info.damaged
+            assert "symbolic link" in (info.problem or "")
+        with pytest.raises(aiopersist.CheckpointNotFoundError):
+            await mgr.restore()
+        with pytest.raises(aiopersist.CheckpointExistsError, match=r"fork-b/step-2: a symbolic link"):
+            await mgr.save(2, _two_disk_state(2), overwrite=True)
+        await (await mgr.save(4, _two_disk_state(4))).done
+        await mgr.wait()
+        assert mgr.steps() == [4]
+    from aiopersist._cli import main
+    from aiopersist._manager import delete_step
+
+    assert main(["gc", str(fork[0]), str(fork[1]), "--keep-last", "1", "--apply", "--leftovers"]) == 0
+    delete_step([str(fork[0] / "step-1"), str(fork[1] / "step-1")])  # asked directly, too
+    assert not (fork[0] / "step-1").exists()
+    assert sorted(p.relative_to(orig[1]) for p in orig[1].rglob("*")) == parts
+    async with aiopersist.CheckpointManager(orig, backend=backend_name) as mgr:
+        assert mgr.steps() == [1, 2, 3]
+        assert (await mgr.restore())["step"] == 3
+
+
+async def test_a_one_directory_manager_never_reads_parts_where_a_manifest_points(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A step of a one-directory manager whose manifest puts files in a part directory
+    elsewhere (a two-disk checkpoint moved in, or forged): incomplete, not restored, not
+    mirrored. `aiopersist.load` of its path alone finds the part as documented; given as
+    a list of one directory, it does not."""
+    src = [tmp_path / "x" / "step-5", tmp_path / "elsewhere" / "step-5"]
+    state = {"w": torch.full((256, 256), 5.0), "u": torch.full((256, 256), 7.0)}
+    await aiopersist.save(state, src, backend=backend_name, metadata={"step": "5"})
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    run.mkdir()
+    src[0].rename(run / "step-5")
+    back = await aiopersist.load(run / "step-5", backend=backend_name)
+    assert torch.equal(back["u"], state["u"])
+    with pytest.raises(aiopersist.CheckpointNotFoundError, match="parts in 1 more directories, 0 given"):
+        await aiopersist.load([run / "step-5"], backend=backend_name)
+    async with aiopersist.CheckpointManager(run, mirror=mirror, backend=backend_name) as mgr:
+        (info,) = mgr.scan()
+        assert not info.complete
+        assert not info.damaged
+        with pytest.raises(aiopersist.CheckpointNotFoundError):
+            await mgr.restore()
+        await (await mgr.save(6, {"w": torch.zeros(2)})).done
+        await mgr.wait()
+    assert sorted(os.listdir(mirror)) == ["step-6"]
+    assert sorted(os.listdir(run)) == [".aiopersist-manager.lock", "step-5", "step-6"]
+
+
+@pytest.mark.parametrize("how", ["symlinked-file", "hard-linked-twins", "symlinked-manifest"])
+async def test_a_checkpoint_refused_for_a_link_is_not_deleted_as_damaged(
+    backend_name: str, tmp_path: Path, how: str
+) -> None:
+    """A Trainer checkpoint whose data file was moved to a cache and linked back (DVC,
+    git-annex), or whose identical files a deduplicating copy hard-linked, is intact:
+    load and verify refuse it (`LinkedFileError`, a `CheckpointCorruptError`), but it is
+    not damaged, so ``gc`` and the rotation keep it."""
+    from aiopersist._cli import main
+
+    out = tmp_path / "out"
+    for step in (1, 2):
+        await aiopersist.save(
+            {"w": torch.full((64, 64), float(step))},
+            out / f"checkpoint-{step}",
+            backend=backend_name,
+            extra_files={"a.json": b'{"x": 1}', "b.json": b'{"x": 1}', "trainer_state.json": b"{}"},
+        )
+    ckpt = out / "checkpoint-1"
+    if how == "symlinked-file":
+        cache = tmp_path / "cache" / "model.safetensors"
+        cache.parent.mkdir()
+        (ckpt / "model.safetensors").rename(cache)
+        (ckpt / "model.safetensors").symlink_to(cache)
+        match = "model.safetensors: a symbolic link"
+    elif how == "hard-linked-twins":
+        (ckpt / "b.json").unlink()
+        os.link(ckpt / "a.json", ckpt / "b.json")
+        match = "hard links"
+    else:
+        real = tmp_path / "aiopersist.json"
+        (ckpt / "aiopersist.json").rename(real)
+        (ckpt / "aiopersist.json").symlink_to(real)
+        match = "aiopersist.json: a symbolic link"
+    for act in (aiopersist.load, aiopersist.verify):
+        with pytest.raises(aiopersist.LinkedFileError, match=match):
+            await act(ckpt, backend=backend_name)
+    from aiopersist._manager import scan
+    from aiopersist._names import TRAINER_STEPS
+
+    info = {s.step: s for s in scan(str(out), layout=TRAINER_STEPS)}
+    assert not info[1].complete
+    assert not info[1].damaged
+    assert info[2].complete
+    assert main(["gc", str(out), "--keep-last", "5", "--apply"]) == 0
+    assert main(["gc", str(out), "--keep-last", "1", "--apply"]) == 0
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
+        "checkpoint-1",
+        "checkpoint-2",
+    ]
+
+
+async def test_restore_passes_over_a_step_it_cannot_load(backend_name: str, tmp_path: Path) -> None:
+    """A torch.distributed.checkpoint saved as the newest step of a manager's directory
+    (retention and gc count it): `restore` says why it does not load it and restores the
+    step before."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from aiopersist.integrations.dcp import AiopersistWriter
+
+    run = tmp_path / "run"
+    async with aiopersist.CheckpointManager(run, backend=backend_name) as mgr:
+        await (await mgr.save(1, {"step": 1, "w": torch.ones(8)})).done
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        writer = AiopersistWriter()
+        await asyncio.to_thread(
+            dcp.save, {"w": torch.zeros(8)}, checkpoint_id=str(run / "step-2"), storage_writer=writer
+        )
+    async with aiopersist.CheckpointManager(run, backend=backend_name) as mgr:
+        assert mgr.steps() == [1, 2]
+        assert {s.step: s.layout for s in mgr.scan()} == {1: "state", 2: "dcp"}
+        assert (await mgr.restore())["step"] == 1
+        assert mgr.restored_step == 1
+        with pytest.raises(aiopersist.CheckpointNotFoundError, match="no complete checkpoint of step 2"):
+            await mgr.restore(2)
+
+
+async def test_odd_names_in_a_manager_directory_are_neither_steps_nor_promoted(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A link to a checkpoint elsewhere under a step's name, a forged replaced-step name
+    that is a link, a step number of hundreds of digits: none is restored, counted,
+    mirrored or retained against the real steps; what they lead to is untouched."""
+    run, mirror, other = tmp_path / "run", tmp_path / "mirror", tmp_path / "other"
+    async with aiopersist.CheckpointManager(run, backend=backend_name) as mgr:
+        for step in (1, 2, 3):
+            await (await mgr.save(step, {"step": step})).done
+        with pytest.raises(ValueError, match="at most 999999999999999999"):
+            await mgr.save(10**18, {"step": 0})
+    await aiopersist.save({"step": 99}, other, backend=backend_name, metadata={"step": "9"})
+    (run / "step-9").symlink_to(other)
+    (run / ".step-50.aiopersist-old-0123456789ab").symlink_to(other)
+    huge = "9" * 250
+    shutil.copytree(run / "step-3", run / f"step-{huge}")
+    (run / f"step-{10**18}").mkdir()
+    async with aiopersist.CheckpointManager(run, keep_last=2, mirror=mirror, backend=backend_name) as mgr:
+        assert not (run / ".step-50.aiopersist-old-0123456789ab").exists()  # removed as a leftover
+        assert not (run / "step-50").exists()  # never promoted to a step
+        found = {s.step: s for s in mgr.scan()}
+        assert sorted(found) == [1, 2, 3, 9]  # names past 18 digits are not steps
+        assert not found[9].complete
+        assert not found[9].damaged
+        assert (await mgr.restore())["step"] == 3
+        await (await mgr.save(4, {"step": 4})).done
+        await mgr.wait()
+    assert sorted(n for n in os.listdir(run) if n.startswith("step-")) == sorted(
+        ["step-3", "step-4", "step-9", f"step-{huge}", f"step-{10**18}"]
+    )
+    assert sorted(os.listdir(mirror)) == ["step-3", "step-4"]
+    assert (await aiopersist.load(other, backend=backend_name))["step"] == 99
+
+
 # -- durability of created directories, and cancellation ---------------------------------------
 
 

@@ -285,6 +285,45 @@ def test_a_shape_of_max_dims_dimensions_parses() -> None:
     assert parse_manifest(_sealed(doc), "m").views["v"].stride == (1 << 40,) * 3
 
 
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            lambda d: d.update(ranks={"9" * 5000: {"skeleton": {}}}),
+            r"ranks: '9999.*9999' is not a rank from 1",
+        ),
+        (lambda d: d.update(ranks={"\u0661": {"skeleton": {}}}), r"ranks: '\u0661' is not a rank from 1"),
+        (lambda d: d.update(ranks={"01": {"skeleton": {}}}), r"ranks: '01' is not a rank from 1"),
+        (lambda d: d.update(ranks={"2": {"skeleton": {}}}), r"ranks: '2' is not a rank from 1 to 1"),
+        (
+            lambda d: d["views"].update(
+                a={"base": "a", "offset": 0, "dtype": "U8", "shape": [1], "stride": [1]}
+            ),
+            r"views\['a'\]: the name of a stored tensor",
+        ),
+        (lambda d: d["aliases"].update(a="v"), r"aliases\['a'\]: the name of a stored tensor"),
+        (lambda d: d["aliases"].update(s="a"), r"aliases\['s'\]: the name of a stored tensor"),
+        (lambda d: d["aliases"].update(v="a"), r"aliases\['v'\]: the name of a view"),
+        (
+            lambda d: d.update(
+                ranks={"1": {"skeleton": {}, "aliases": {"v2": "a"}, "views": {"v2": d["views"]["v"]}}}
+            ),
+            r"ranks\['1'\]\.aliases\['v2'\]: the name of a view",
+        ),
+    ],
+)
+def test_rank_keys_and_names_that_cannot_be_told_apart_are_refused(change: Any, match: str) -> None:
+    """A rank's key is a rank in ASCII digits (``int()`` of thousands of digits raises
+    ValueError, and ``isdecimal`` takes any script's digits); a view or an alias named like
+    a stored tensor (or an alias like a view) would shadow it, and could lead ``inspect``
+    round in circles."""
+    doc = _small_doc()
+    doc["world_size"] = 2
+    change(doc)
+    with pytest.raises(CheckpointCorruptError, match=rf"^m: {match}"):
+        parse_manifest(_sealed(doc), "m")
+
+
 def _never(*args: object, **kwargs: object) -> None:
     raise AssertionError("parsed")
 
