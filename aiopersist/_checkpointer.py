@@ -254,6 +254,8 @@ class Checkpointer:
             )
             where = _Target(paths, coord, replicated)
             flat = await flatten_off_loop(state, allow_pickle, coord)
+            if extra_files is not None and any(isinstance(c, TorchSave) for c in extra_files.values()):
+                extra_files = await asyncio.to_thread(captured_extra_files, extra_files)
             handle = SaveHandle(target, loop.create_future(), loop.create_future())
             # The TorchSave objects are walked once, and only when something needs them.
             snapshot = self.mode == "snapshot" and isinstance(flat, Flattened)
@@ -520,7 +522,7 @@ def _nbytes(t: torch.Tensor) -> int:
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
-def _rebuildable(
+def rebuildable(
     obj: object, found: dict[int, torch.Tensor] | None = None, seen: set[int] | None = None, depth: int = 0
 ) -> bool:
     """Whether `_with_copies` can rebuild ``obj`` with copies of all its tensors: a tree
@@ -544,9 +546,9 @@ def _rebuildable(
     seen.add(id(obj))
     if type(obj) in (dict, collections.OrderedDict, collections.defaultdict):
         items = cast(dict[object, object], obj).items()
-        return all(isinstance(k, _PLAIN) and _rebuildable(v, found, seen, depth + 1) for k, v in items)
+        return all(isinstance(k, _PLAIN) and rebuildable(v, found, seen, depth + 1) for k, v in items)
     if type(obj) in (list, tuple) or (isinstance(obj, tuple) and _is_namedtuple(type(obj))):
-        return all(_rebuildable(v, found, seen, depth + 1) for v in cast(Sequence[object], obj))
+        return all(rebuildable(v, found, seen, depth + 1) for v in cast(Sequence[object], obj))
     return False
 
 
@@ -579,7 +581,7 @@ def _extra_tensors(extra_files: ExtraFiles | None) -> _ExtraTensors:
                 found.setdefault(id(t), t)
         elif isinstance(content, TorchSave):
             mine: dict[int, torch.Tensor] = {}
-            if _rebuildable(content.obj, mine):
+            if rebuildable(content.obj, mine):
                 for key, t in mine.items():
                     found.setdefault(key, t)
             else:
@@ -631,6 +633,19 @@ def _with_copies(obj: Any, copies: Mapping[int, torch.Tensor]) -> Any:
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
         return type(obj)(*(_with_copies(v, copies) for v in obj))
     return obj
+
+
+def captured_extra_files(extra_files: ExtraFiles) -> ExtraFiles:
+    """``extra_files`` with the containers of each `TorchSave` that `rebuildable` takes
+    copied (`_with_copies`, no tensor copied): what it holds besides tensor data (a step
+    count in a dict, a list appended to, an optimizer's per-parameter ``int`` step) is
+    what it was at the save, as for the state's own skeleton, while its tensors are read
+    until ``staged`` (fence mode) or copied (snapshot mode). One that holds other objects
+    is pickled while the file is written, as it is then."""
+    return {
+        name: TorchSave(_with_copies(c.obj, {})) if isinstance(c, TorchSave) and rebuildable(c.obj) else c
+        for name, c in extra_files.items()
+    }
 
 
 async def _take_snapshot(

@@ -115,8 +115,11 @@ class TorchSave:
     object whose ``write`` feeds the engine): no copy of the object is made in memory, so
     tensors in it are read while the file is written, as with the checkpoint's own
     tensors (a `Checkpointer`'s ``staged`` waits for them too in fence mode; in snapshot
-    mode they are copied with the state's). ``torch.load(weights_only=True)`` reads the
-    file when the object holds only what it allows (state dicts do).
+    mode they are copied with the state's). With a `Checkpointer`, the containers of an
+    object made of dicts, lists, tuples and namedtuples over plain values and tensors (a
+    state dict) are copied when ``save`` is called: what it holds besides tensor data is
+    what it was then. ``torch.load(weights_only=True)`` reads the file when the object
+    holds only what it allows (state dicts do).
     """
 
     obj: object

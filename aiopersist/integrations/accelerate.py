@@ -56,6 +56,7 @@ raise `ValueError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -70,7 +71,7 @@ import numpy as np
 import torch
 
 from .._blocking import BlockingCheckpointer, BlockingSaveHandle
-from .._checkpointer import Checkpointer, SaveHandle
+from .._checkpointer import Checkpointer, SaveHandle, rebuildable
 from .._commit import make_directories, mount_of, remove_path
 from .._dist import _derived_group, background_group, coordinator, process0_group
 from .._exceptions import CheckpointExistsError, UnsupportedStateError
@@ -180,6 +181,10 @@ def _work_outside_checkpoints(accelerator: Any) -> None:
     if accelerator.is_main_process:
         _remove_leftovers(place)
     work_elsewhere(base, place)
+    # Made to learn its mount: gone again until a save works there (a save that fails
+    # before, a name taken say, leaves the project directory holding checkpoints/ alone).
+    with contextlib.suppress(OSError):
+        os.rmdir(place)  # only if empty
 
 
 _beside: set[str] = set()
@@ -206,11 +211,10 @@ def _outdated(accelerator: Any) -> list[str]:
         return []
     # Every entry counts, hidden ones too, as save_state counts them; but not aiopersist's
     # own work in progress, where it stays beside the checkpoints (`_beside`).
-    folders = sorted(
-        (os.path.join(base, n) for n in os.listdir(base) if not any(m in n for m in LEFTOVER_MARKERS)),
-        key=_iteration_of,
-    )
-    outdated = folders[: max(0, len(folders) + 1 - config.total_limit)]
+    folders = [os.path.join(base, n) for n in os.listdir(base) if not any(m in n for m in LEFTOVER_MARKERS)]
+    if len(folders) + 1 <= config.total_limit:
+        return []  # sorted by number only when over the limit, as save_state sorts them
+    outdated = sorted(folders, key=_iteration_of)[: len(folders) + 1 - config.total_limit]
     for path in outdated:
         # save_state's shutil.rmtree fails on them (NotADirectoryError, OSError): so does
         # this, before anything is deleted rather than after the older ones.
@@ -438,7 +442,11 @@ def _state_files(
     for i, obj in enumerate(accelerator._custom_objects):
         state = obj.state_dict()
         if main:
-            extra[f"custom_checkpoint_{i}.pkl"] = TorchSave(state)
+            # Its tensors streamed (the Checkpointer copies the containers around them at
+            # the save); a state of other objects is pickled now, as save_state pickles it,
+            # so that what the loop changes next is not in the checkpoint.
+            name = f"custom_checkpoint_{i}.pkl"
+            extra[name] = TorchSave(state) if rebuildable(state) else torch_bytes(state)
     return extra
 
 

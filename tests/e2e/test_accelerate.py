@@ -391,6 +391,110 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and bool(a == b)
 
 
+class _Progress:
+    """A registered object whose ``state_dict()`` is its live ``__dict__`` (a common
+    pattern), one with a list, and one with an object of its own in it."""
+
+    def __init__(self) -> None:
+        self.step = 100
+        self.history = [1, 2, 3]
+        self.owner = _Owner("run-1")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class _Owner:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Owner) and other.name == self.name
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("mode", ["fence", "snapshot"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_registered_objects_are_saved_as_they_were_at_the_save(
+    tmp_path: Path, backend: str, mode: str
+) -> None:
+    """``custom_checkpoint_<i>.pkl`` holds an object's state as ``save_state`` was
+    called, as stock's does: what the loop changes right after (before the fence) is
+    not in it, whether its state is plain data or holds an object of its own."""
+    results = {}
+    for how in ("stock", "ours"):
+        accelerator = _setup()[0]
+        progress = _Progress()
+        accelerator.register_for_checkpointing(progress)
+        out = tmp_path / how
+        if how == "stock":
+            accelerator.save_state(str(out))
+        else:
+            checkpointer = aiopersist.BlockingCheckpointer(backend=backend, mode=mode)
+            with checkpointer as ck:
+                handle = save_state_blocking(accelerator, out, checkpointer=ck)
+                progress.step += 1
+                progress.history.append(4)
+                progress.owner.name = "run-2"
+                handle.wait()
+        results[how] = torch.load(out / "custom_checkpoint_0.pkl", weights_only=False)
+    assert (
+        results["ours"] == results["stock"] == {"step": 100, "history": [1, 2, 3], "owner": _Owner("run-1")}
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_rotation_sorts_by_number_only_over_the_limit_as_stock(tmp_path: Path, backend: str) -> None:
+    """An entry without a number in ``checkpoints/`` (a ``latest`` directory, a README):
+    ``save_state`` sorts the entries by their numbers only when over ``total_limit``, so
+    saves under it go on; over it, both fail alike."""
+    for how in ("stock", "ours"):
+        project = ProjectConfiguration(str(tmp_path / how), automatic_checkpoint_naming=True, total_limit=3)
+        accelerator = _setup(project)[0]
+        (tmp_path / how / "checkpoints" / "latest").mkdir(parents=True)
+        with aiopersist.BlockingCheckpointer(backend=backend) as ck:
+            for _ in range(2):
+                if how == "stock":
+                    accelerator.save_state()
+                else:
+                    save_state_blocking(accelerator, checkpointer=ck).wait()
+            with pytest.raises(IndexError):
+                if how == "stock":
+                    accelerator.save_state()
+                else:
+                    save_state_blocking(accelerator, checkpointer=ck).wait()
+    assert (
+        sorted(os.listdir(tmp_path / "ours" / "checkpoints"))
+        == sorted(os.listdir(tmp_path / "stock" / "checkpoints"))
+        == ["checkpoint_0", "checkpoint_1", "latest"]
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_first_save_refused_leaves_the_project_directory_as_stock(tmp_path: Path, backend: str) -> None:
+    """Automatic naming, and the first save's name taken: refused as ``save_state``
+    refuses it, and the project directory holds ``checkpoints/`` alone after it, as
+    after stock's (aiopersist's work place is made only while a save works there)."""
+    for how in ("stock", "ours"):
+        project = ProjectConfiguration(str(tmp_path / how), automatic_checkpoint_naming=True)
+        accelerator = _setup(project)[0]
+        (tmp_path / how / "checkpoints" / "checkpoint_0").mkdir(parents=True)
+        with (
+            aiopersist.BlockingCheckpointer(backend=backend) as ck,
+            pytest.raises(ValueError, match="exists"),
+        ):
+            if how == "stock":
+                accelerator.save_state()
+            else:
+                save_state_blocking(accelerator, checkpointer=ck)
+        assert os.listdir(tmp_path / how) == ["checkpoints"], how
+        assert accelerator.save_iteration == 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_file_holds_what_stock_writes_taken_in_its_order(tmp_path: Path, backend: str) -> None:
     """From the same RNG states, the stock save and ours write the same files with the
@@ -795,7 +899,8 @@ def test_save_state_under_fsdp2_is_the_stock_layout_and_load_state_restores_it(
 
 
 class _Stuck:
-    """Pickled by ``torch.save`` inside a save: holds the save in flight."""
+    """Pickled by ``torch.save`` inside a save (in an optimizer's state: an object of its
+    own, so ``optimizer.bin`` is pickled while it is written): holds the save in flight."""
 
     def __reduce__(self) -> Any:
         print("saving", flush=True)
@@ -804,14 +909,10 @@ class _Stuck:
 
 
 class _Custom:
-    """An object registered with ``register_for_checkpointing``, written by ``torch.save``
-    during the save (as ``custom_checkpoint_0.pkl``)."""
-
-    def __init__(self) -> None:
-        self.stuck = False
+    """An object registered with ``register_for_checkpointing`` (``custom_checkpoint_0.pkl``)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stuck": _Stuck()} if self.stuck else {}
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
@@ -832,20 +933,20 @@ import torch
 from accelerate.utils import ProjectConfiguration
 import aiopersist
 from aiopersist.integrations.accelerate import save_state_blocking
-from tests.e2e.test_accelerate import _Custom, _hook_stuck_after_the_first, _setup, _step
+from tests.e2e.test_accelerate import _Custom, _Stuck, _hook_stuck_after_the_first, _setup, _step
 
 project = os.environ["PROJECT"]
 config = ProjectConfiguration(project, automatic_checkpoint_naming=True, total_limit=3)
 accelerator, model, opt, sched = _setup(config)
-custom = _Custom()
-accelerator.register_for_checkpointing(custom)
+accelerator.register_for_checkpointing(_Custom())
 accelerator.register_save_state_pre_hook(_hook_stuck_after_the_first)
 _step(model, opt, sched)
 with aiopersist.BlockingCheckpointer(backend={backend!r}) as ck:
     save_state_blocking(accelerator, checkpointer=ck).wait()
     torch.save(model.state_dict(), os.path.join(project, "saved.pt"))
     _step(model, opt, sched)
-    custom.stuck = os.environ["STUCK_IN"] == "save"
+    if os.environ["STUCK_IN"] == "save":
+        next(iter(opt.state.values()))["stuck"] = _Stuck()
     save_state_blocking(accelerator, checkpointer=ck).wait()
 """
 

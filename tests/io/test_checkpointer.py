@@ -345,6 +345,39 @@ async def test_extra_files_torch_save_stream_and_fence(tmp_path: Path, backend_n
             await (await ck.save(model, tmp_path / "x", extra_files={"aiopersist.json": b"{}"})).done
 
 
+@pytest.mark.parametrize("mode", ["fence", "snapshot"])
+async def test_what_a_torch_save_holds_besides_tensors_is_taken_at_the_save(
+    backend_name: str, tmp_path: Path, mode: str
+) -> None:
+    """A TorchSave of a live state (an object's ``__dict__``, a history list, an
+    optimizer whose per-parameter ``step`` is an int): a change right after `save`
+    returns, before ``staged``, is not in the checkpoint, as a change to the state's own
+    skeleton is not; with or without tensors in it, in either mode. Its tensors are read
+    until ``staged`` (fence) or copied (snapshot), as before."""
+    live: dict[str, Any] = {"step": 100, "history": [1, 2, 3], "meta": {"lr": 0.5}}
+    plain: dict[str, Any] = {"epoch": 7, "seen": [0]}
+    big = torch.ones(1 << 20)
+    async with aiopersist.Checkpointer(backend=backend_name, mode=mode) as ck:
+        handle = await ck.save(
+            {"w": big},
+            tmp_path / "ck",
+            extra_files={
+                "live.pt": aiopersist.TorchSave({**live, "t": big}),
+                "plain.pt": aiopersist.TorchSave(plain),
+            },
+        )
+        live["step"] += 1
+        live["history"].append(4)
+        live["meta"]["lr"] = 0.25
+        plain["epoch"] += 1
+        plain["seen"].append(1)
+        await handle.wait()
+    back = torch.load(tmp_path / "ck" / "live.pt", weights_only=True)
+    assert (back["step"], back["history"], back["meta"]) == (100, [1, 2, 3], {"lr": 0.5})
+    assert torch.equal(back["t"], big)
+    assert torch.load(tmp_path / "ck" / "plain.pt", weights_only=True) == {"epoch": 7, "seen": [0]}
+
+
 class _Moments(NamedTuple):
     avg: torch.Tensor
     sq: torch.Tensor
@@ -436,21 +469,21 @@ class _Tagged(dict[str, object]):
 
 
 async def test_what_snapshot_mode_can_rebuild_around_copies() -> None:
-    from aiopersist._checkpointer import _rebuildable
+    from aiopersist._checkpointer import rebuildable
 
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))])
     optimizer.step()
     cyclic: dict[str, object] = {"t": torch.ones(2)}
     cyclic["self"] = cyclic
     shared = {"t": torch.ones(2)}
-    assert _rebuildable(optimizer.state_dict())
-    assert _rebuildable({"m": _Moments(torch.ones(1), torch.ones(1)), "p": torch.nn.Parameter(torch.ones(1))})
-    assert not _rebuildable(cyclic)  # a rebuild would never end
-    assert not _rebuildable({"a": shared, "b": shared})  # a rebuild would make two of it
-    assert not _rebuildable(_Tagged(torch.ones(2)))  # its tensor is no item
-    assert not _rebuildable({torch.ones(1): 1})  # tensor keys are not replaced
-    assert not _rebuildable([torch.ones(2).to_sparse()])
-    assert not _rebuildable([_Holder(torch.ones(1))])
+    assert rebuildable(optimizer.state_dict())
+    assert rebuildable({"m": _Moments(torch.ones(1), torch.ones(1)), "p": torch.nn.Parameter(torch.ones(1))})
+    assert not rebuildable(cyclic)  # a rebuild would never end
+    assert not rebuildable({"a": shared, "b": shared})  # a rebuild would make two of it
+    assert not rebuildable(_Tagged(torch.ones(2)))  # its tensor is no item
+    assert not rebuildable({torch.ones(1): 1})  # tensor keys are not replaced
+    assert not rebuildable([torch.ones(2).to_sparse()])
+    assert not rebuildable([_Holder(torch.ones(1))])
 
 
 async def test_snapshot_copies_what_hides_in_a_dict_subclass(backend_name: str, tmp_path: Path) -> None:
