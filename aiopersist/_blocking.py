@@ -30,7 +30,7 @@ from ._manager import CheckpointManager, ManagedSaveHandle
 from ._retention import Retention
 from ._save import ExtraFiles, SaveInfo, save
 from ._stream import CudaReady, caller_cuda_ready
-from ._workers import DaemonThreadPool, exit_wait_left
+from ._workers import LOOP_WORKERS, DaemonThreadPool, exit_wait_left, run_loop
 
 log = logging.getLogger("aiopersist")
 T = TypeVar("T")
@@ -40,7 +40,7 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro)
+        return run_loop(coro)
     coro.close()
     raise RuntimeError(
         "aiopersist.save_sync()/load_sync() called from a running event loop; use `await aiopersist.save()`"
@@ -118,7 +118,7 @@ class _LoopThread:
 
         async def serve() -> None:
             loop = asyncio.get_running_loop()
-            loop.set_default_executor(DaemonThreadPool(_TO_THREAD_WORKERS, f"{name}-worker"))
+            loop.set_default_executor(DaemonThreadPool(LOOP_WORKERS, f"{name}-worker"))
             async with BlockingPortal() as portal:
                 ready.set_result((portal, loop))
                 await portal.sleep_until_stopped()
@@ -143,7 +143,6 @@ class _LoopThread:
         self.thread.join(timeout)
 
 
-_TO_THREAD_WORKERS = 8
 _open_facades: set[_OnPortal] = set()
 _exit_hook_lock = threading.Lock()
 _exit_hook_registered = False

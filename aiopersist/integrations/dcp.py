@@ -134,7 +134,7 @@ from .._stream import (
     run_all,
     use_cuda_ready,
 )
-from .._workers import DaemonThreadPool
+from .._workers import DaemonThreadPool, run_loop
 
 __all__ = ["AiopersistReader", "AiopersistWriter", "FenceStager"]
 
@@ -195,7 +195,7 @@ os.register_at_fork(after_in_child=_forget_deletions_in_child)
 def _on_engine(make: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
     """Run ``make()`` on an event loop of its own in an engine thread (DCP calls the
     storage layer from plain threads, and from a thread with a running loop too)."""
-    return _ENGINE.submit(lambda: asyncio.run(make()))
+    return _ENGINE.submit(lambda: run_loop(make(), "aiopersist-dcp"))
 
 
 def _as_torch_future(cf: concurrent.futures.Future[T]) -> Future[T]:

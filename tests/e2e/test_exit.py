@@ -264,3 +264,74 @@ def test_leaving_a_with_block_on_an_error_is_bounded_by_the_grace(
     assert rc == (1 if how == "raise" else 3), err
     assert err.count("still at work after 5 s") == 1, err  # said once (it was twice)
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("stager", ["default", "fence"])
+@pytest.mark.parametrize(("backend", "ending"), [("threads", "raise"), ("io_uring", "normal")])
+def test_an_async_save_still_uploading_when_the_program_ends_is_finished(
+    tmp_path: Path, backend: str, ending: str, stager: str
+) -> None:
+    """``dcp.async_save`` through `AiopersistWriter`, then the script ends (its last line,
+    or an exception) without waiting for the future: DCP's upload thread is joined at
+    exit, as with its own writer, and the checkpoint it finishes then is complete (the
+    engine's loops keep their worker threads when the interpreter has begun to exit;
+    asyncio's own executor refuses work then, and the save was lost)."""
+    if backend == "io_uring" and not URING_OK:
+        pytest.skip("io_uring unavailable")
+    ckpt = tmp_path / "ckpt"
+    rc, err = _run(
+        f"""
+        import warnings
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from aiopersist.integrations.dcp import AiopersistWriter, FenceStager
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        state = {{f"t{{i}}": torch.full((1 << 20,), float(i)) for i in range(16)}}
+        state["step"] = 7
+        writer = AiopersistWriter(backend={backend!r})
+        stager = FenceStager(writer) if {stager!r} == "fence" else None
+        dcp.async_save(state, checkpoint_id={str(ckpt)!r}, storage_writer=writer, async_stager=stager)
+        if {ending!r} == "raise":
+            raise RuntimeError("training blew up")
+        """
+    )
+    assert rc == (1 if ending == "raise" else 0), err
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from aiopersist.integrations.dcp import AiopersistReader
+
+    for reader in (FileSystemReader(str(ckpt)), AiopersistReader(ckpt)):
+        target: dict[str, object] = {f"t{i}": torch.zeros(1 << 20) for i in range(16)}
+        target["step"] = 0
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(target, checkpoint_id=str(ckpt), storage_reader=reader)
+        assert target["step"] == 7
+        assert all(torch.equal(target[f"t{i}"], torch.full((1 << 20,), float(i))) for i in range(16))
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_sync_in_an_exit_hook_saves(tmp_path: Path, backend: str) -> None:
+    """A last checkpoint taken by ``aiopersist.save_sync`` in an ``atexit`` hook (after the
+    interpreter began to exit) is written whole."""
+    rc, err = _run(
+        f"""
+        import atexit
+        import aiopersist, torch
+
+        def last() -> None:
+            state = {{"w": torch.ones(1 << 20)}}
+            aiopersist.save_sync(state, {str(tmp_path / "last")!r}, backend={backend!r})
+
+        atexit.register(last)
+        """
+    )
+    assert rc == 0, err
+    import asyncio
+
+    asyncio.run(aiopersist.verify(tmp_path / "last"))
