@@ -101,7 +101,14 @@ from torch.futures import Future
 
 from .. import _knobs
 from .._backends import open_backend, to_thread_to_the_end
-from .._commit import fsync_directory, make_directories, make_temp, publish_with_parts, remove_path
+from .._commit import (
+    check_room,
+    fsync_directory,
+    make_directories,
+    make_temp,
+    publish_with_parts,
+    remove_path,
+)
 from .._direct import probe_directory, probe_file_for_read
 from .._exceptions import (
     CheckpointCorruptError,
@@ -877,6 +884,8 @@ async def _write_rank_file(
     hasher = PartHasher(new_hasher(), lengths, new_hasher)
     if directory:
         await to_thread_to_the_end(make_directories, tmp)  # this rank's part on its disk
+    if _knobs.space_check_enabled():  # before anything is written, as aiopersist.save
+        await asyncio.to_thread(check_room, tmp, sum(lengths), "save", os.path.join(tmp, name))
     dio = await asyncio.to_thread(probe_directory, tmp)
     pool = StagingPool()
     try:

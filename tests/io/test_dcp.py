@@ -338,13 +338,24 @@ def test_overwrite_never_deletes_what_is_no_checkpoints(backend_name: str, tmp_p
 
 
 @pytest.mark.root
-def test_a_full_disk_fails_the_save_and_keeps_the_old_checkpoint(backend_name: str, small_fs: Path) -> None:
+@pytest.mark.parametrize("space_check", ["on", "off"])
+def test_a_full_disk_fails_the_save_and_keeps_the_old_checkpoint(
+    backend_name: str, small_fs: Path, space_check: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused before anything is written, as `aiopersist.save` refuses it (the free space
+    checked first); with the check off, when the write meets the full disk."""
+    if space_check == "off":
+        monkeypatch.setenv("AIOPERSIST_SPACE_CHECK", "0")
     ck = small_fs / "ck"
     small = {"model": {"w": torch.ones(100)}, "step": 1}
     dcp.save(small, checkpoint_id=str(ck), storage_writer=AiopersistWriter(backend=backend_name))
     big = {"model": {"w": torch.ones(2 << 20)}, "step": 2}  # 8 MiB on a 4 MiB file system
     writer = AiopersistWriter(overwrite=True, backend=backend_name)
-    _refused(lambda: dcp.save(big, checkpoint_id=str(ck), storage_writer=writer), "DiskFullError")
+    text = _refused(lambda: dcp.save(big, checkpoint_id=str(ck), storage_writer=writer), "DiskFullError")
+    written = [f.stat().st_size for t in small_fs.glob(".*aiopersist-tmp-*") for f in t.iterdir()]
+    if space_check == "on":
+        assert "nothing was written" in text
+        assert sum(written) == 0
     target = {"model": {"w": torch.zeros(100)}, "step": 0}
     dcp.load(target, checkpoint_id=str(ck), storage_reader=AiopersistReader(backend=backend_name))
     assert target["step"] == 1
