@@ -30,10 +30,27 @@ from ._manager import CheckpointManager, ManagedSaveHandle
 from ._retention import Retention
 from ._save import ExtraFiles, SaveInfo, save
 from ._stream import CudaReady, caller_cuda_ready
-from ._workers import LOOP_WORKERS, DaemonThreadPool, exit_wait_left, run_loop
+from ._workers import DaemonThreadPool, exit_wait_left
 
 log = logging.getLogger("aiopersist")
 T = TypeVar("T")
+
+
+LOOP_WORKERS = 8
+"""Threads of the default executor of each event loop aiopersist runs itself."""
+
+
+def run_loop(coro: Coroutine[Any, Any, T], name: str = "aiopersist") -> T:
+    """``asyncio.run(coro)``, on a loop whose default executor (``asyncio.to_thread``) is a
+    `DaemonThreadPool` of its own. asyncio's default, a ``ThreadPoolExecutor``, refuses new
+    work once the interpreter has begun to exit (``concurrent.futures`` sets that before
+    the interpreter joins the threads still running), so a save finishing then (in DCP's
+    upload thread after the program's last line, or in an exit hook) would fail halfway
+    and be lost; and its workers, not daemon, would hold the exit for one stuck in a
+    system call."""
+    with asyncio.Runner() as runner:
+        runner.get_loop().set_default_executor(DaemonThreadPool(LOOP_WORKERS, f"{name}-worker"))
+        return runner.run(coro)
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:

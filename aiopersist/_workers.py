@@ -13,7 +13,6 @@ torch's C++ code while the interpreter finalizes, which aborts the process.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import concurrent.futures
 import contextlib
@@ -25,7 +24,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -285,23 +284,6 @@ class DaemonThreadPool(concurrent.futures.ThreadPoolExecutor):
 
 
 _pools: weakref.WeakSet[DaemonThreadPool] = weakref.WeakSet()
-
-
-LOOP_WORKERS = 8
-"""Threads of the default executor of each event loop aiopersist runs itself."""
-
-
-def run_loop(coro: Coroutine[Any, Any, T], name: str = "aiopersist") -> T:
-    """``asyncio.run(coro)``, on a loop whose default executor (``asyncio.to_thread``) is a
-    `DaemonThreadPool` of its own. asyncio's default, a ``ThreadPoolExecutor``, refuses new
-    work once the interpreter has begun to exit (``concurrent.futures`` sets that before
-    the interpreter joins the threads still running), so a save finishing then (in DCP's
-    upload thread after the program's last line, or in an exit hook) would fail halfway
-    and be lost; and its workers, not daemon, would hold the exit for one stuck in a
-    system call."""
-    with asyncio.Runner() as runner:
-        runner.get_loop().set_default_executor(DaemonThreadPool(LOOP_WORKERS, f"{name}-worker"))
-        return runner.run(coro)
 
 
 _gc_lock = threading.Lock()

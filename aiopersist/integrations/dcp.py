@@ -101,6 +101,7 @@ from torch.futures import Future
 
 from .. import _knobs
 from .._backends import open_backend, to_thread_to_the_end
+from .._blocking import run_loop
 from .._commit import (
     check_room,
     fsync_directory,
@@ -141,7 +142,7 @@ from .._stream import (
     run_all,
     use_cuda_ready,
 )
-from .._workers import DaemonThreadPool, run_loop
+from .._workers import DaemonThreadPool
 
 __all__ = ["AiopersistReader", "AiopersistWriter", "FenceStager"]
 
