@@ -266,8 +266,9 @@ def test_leaving_a_with_block_on_an_error_is_bounded_by_the_grace(
     assert not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize("stager", ["default", "fence"])
-@pytest.mark.parametrize(("backend", "ending"), [("threads", "raise"), ("io_uring", "normal")])
+@pytest.mark.parametrize(
+    ("backend", "ending", "stager"), [("threads", "raise", "default"), ("io_uring", "normal", "fence")]
+)
 def test_an_async_save_still_uploading_when_the_program_ends_is_finished(
     tmp_path: Path, backend: str, ending: str, stager: str
 ) -> None:
