@@ -46,11 +46,24 @@ def run_loop(coro: Coroutine[Any, Any, T], name: str = "aiopersist") -> T:
     work once the interpreter has begun to exit (``concurrent.futures`` sets that before
     the interpreter joins the threads still running), so a save finishing then (in DCP's
     upload thread after the program's last line, or in an exit hook) would fail halfway
-    and be lost; and its workers, not daemon, would hold the exit for one stuck in a
-    system call."""
-    with asyncio.Runner() as runner:
-        runner.get_loop().set_default_executor(DaemonThreadPool(LOOP_WORKERS, f"{name}-worker"))
-        return runner.run(coro)
+    and be lost. At the end, as ``asyncio.run``, the tasks left are cancelled and waited
+    for; the executor is then shut down without waiting (a thread still at work stays
+    with its daemon thread, and no thread is started: ``asyncio.run`` starts one to join
+    the executor, which Python 3.12.0 and 3.12.1 refuse during the interpreter's exit)."""
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(DaemonThreadPool(LOOP_WORKERS, f"{name}-worker"))
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()  # shuts the default executor down, without waiting
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:

@@ -43,22 +43,30 @@ _DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "I8": torch.int8,
     "I16": torch.int16,
-    "U16": torch.uint16,
     "I32": torch.int32,
-    "U32": torch.uint32,
     "I64": torch.int64,
-    "U64": torch.uint64,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
     "F32": torch.float32,
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "F8_E8M0": torch.float8_e8m0fnu,
     "C64": torch.complex64,
 }
+# Dtypes of newer torch versions, where this one has them (unsigned ones from torch 2.3,
+# float8_e8m0fnu from 2.7).
+_DTYPES.update(
+    (name, dtype)
+    for name, dtype in (
+        ("U16", getattr(torch, "uint16", None)),
+        ("U32", getattr(torch, "uint32", None)),
+        ("U64", getattr(torch, "uint64", None)),
+        ("F8_E4M3FNUZ", getattr(torch, "float8_e4m3fnuz", None)),
+        ("F8_E5M2FNUZ", getattr(torch, "float8_e5m2fnuz", None)),
+        ("F8_E8M0", getattr(torch, "float8_e8m0fnu", None)),
+    )
+    if dtype is not None
+)
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _DTYPES.items()}
 DTYPES: Mapping[str, torch.dtype] = _DTYPES
 """safetensors dtype names to torch dtypes (read only)."""

@@ -799,7 +799,8 @@ class CheckpointManager:
             # Steps that waited to be mirrored were spared by the local retention above.
             await asyncio.to_thread(self._retain, self.directories, self.retention, "local", managed.step)
             path = os.path.join(self.mirror, step_name(managed.step))
-            there = await asyncio.to_thread(os.path.isdir, path)  # absent: the mirror's retention dropped it
+            # Absent: the mirror's retention dropped it (or a link there kept it from being copied).
+            there = await asyncio.to_thread(_is_real_directory, path)
             _resolve(mirrored, path if there else None)
         except BaseException as exc:
             _fail_quietly(mirrored, exc)
@@ -834,8 +835,19 @@ class CheckpointManager:
         async with self._mirror_lock:
             # The scans read every step's manifest: in a worker thread.
             local = [s for s in await asyncio.to_thread(scan, self.directories, "local") if s.complete]
-            there = {s.step for s in await asyncio.to_thread(scan, [self.mirror], "mirror") if s.complete}
-            wanted = [s.step for s in local if s.step not in there]
+            mirrored = await asyncio.to_thread(scan, [self.mirror], "mirror")
+            there = {s.step for s in mirrored if s.complete}
+            # A step name in the mirror that is a link is someone else's: never replaced.
+            linked = await asyncio.to_thread(
+                lambda: {s.step for s in mirrored if linked_step_directory([s.path]) is not None}
+            )
+            for step in sorted(linked & {s.step for s in local}):
+                log.warning(
+                    "aiopersist: not mirroring step %d: %s is a symbolic link, left alone",
+                    step,
+                    os.path.join(self.mirror, step_name(step)),
+                )
+            wanted = [s.step for s in local if s.step not in there | linked]
             self._mirroring.update(wanted)  # local retention leaves them until copied
             keep = set(wanted) - set(to_delete(sorted(there | set(wanted)), self.mirror_retention))
             copies = [s for s in local if s.step in keep]

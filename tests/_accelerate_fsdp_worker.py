@@ -24,6 +24,24 @@ import torch
 from tests._cpu_fsdp import force_fsdp_on_cpu
 
 
+class _Progress:
+    """A registered object whose ``state_dict()`` is its live ``__dict__``."""
+
+    def __init__(self) -> None:
+        self.step = 100
+        self.history = [1, 2, 3]
+
+    def advance(self) -> None:
+        self.step += 1
+        self.history.append(self.step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
 def main(out: str, backend: str, api: str) -> None:
     force_fsdp_on_cpu()
     from accelerate import Accelerator
@@ -57,6 +75,8 @@ def main(out: str, backend: str, api: str) -> None:
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
+    progress = _Progress()  # a registered object, changed right after the save is staged
+    accelerator.register_for_checkpointing(progress)
 
     def step() -> None:
         accelerator.backward(head(model(torch.randn(4, 32))).pow(2).mean())
@@ -92,11 +112,13 @@ def main(out: str, backend: str, api: str) -> None:
 
             started = ck._portal.call(start)
             ck._portal.call(wait, started.staged)
+            progress.advance()
             step()
             ck._portal.call(wait, started.done)
         else:
             handle = save_state_blocking(accelerator, ours, checkpointer=ck)
             handle.wait_staged()
+            progress.advance()
             step()  # the optimizer step mutates the shards: after the fence
             handle.wait()
     accelerator.wait_for_everyone()
@@ -114,6 +136,10 @@ def main(out: str, backend: str, api: str) -> None:
     report["lr"] = sched.get_last_lr()
     if accelerator.process_index == 0:
         report["verify"] = len(asyncio.run(aiopersist.verify(ours)).files)
+        report["custom"] = [
+            torch.load(os.path.join(out, name, "custom_checkpoint_0.pkl"), weights_only=True)
+            for name in ("stock", "ours")
+        ]
     path = os.path.join(out, f"report-{accelerator.process_index}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f)

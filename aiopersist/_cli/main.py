@@ -711,8 +711,8 @@ def _ls(args: argparse.Namespace) -> int:
     from .._names import TRAINER_STEPS
 
     directories = _existing_directories(args.dir)
-    # One directory: its steps' parts (if any) where their manifests say (a look only).
-    found = scan(directories[0] if len(directories) == 1 else directories, "local")
+    # As a manager of these directories sees them: parts looked for there only.
+    found = scan(directories, "local")
     trainer = scan(directories[0], "local", TRAINER_STEPS)
     found += trainer
     if args.mirror:
@@ -855,7 +855,7 @@ def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
     directory = directories[0]
     retention = args.keep_last is not None
     # A manager's step-N: its retention; incomplete ones are left alone.
-    steps = [s for s in scan(directories[0] if len(directories) == 1 else directories) if s.complete]
+    steps = [s for s in scan(directories) if s.complete]
     gone = set(to_delete([s.step for s in steps], policy_of(args.keep_last, args.keep_every)))
     doomed_steps = [s for s in steps if s.step in gone]
     # A Trainer's checkpoint-N: save_total_limit's rotation, the best one kept; broken ones

@@ -64,7 +64,7 @@ from .._names import MANIFEST_NAME
 from .._save import SafetensorsSave, SaveInfo, TorchSave, check_file_names, write_extra_files, write_file
 from .._staging import StagingPool
 from .._workers import DaemonThreadPool
-from ._common import with_buffers_copied
+from ._common import torch_bytes, with_buffers_copied
 from .dcp import AiopersistWriter, _dcp_manifest, _Fence, _new_fence, _on_engine
 
 Files = Mapping[str, "bytes | TorchSave | SafetensorsSave"]
@@ -141,8 +141,11 @@ class ShardedSaver:
         for name in files or {}:
             if name.split("/")[0] in states:
                 raise ValueError(f"ShardedSaver.save: the file {name!r} would be in a DCP directory's place")
+        # The files are written last, after the shards' fences have let training go on: a
+        # `TorchSave` is pickled now, so that it holds what it held at the save.
+        taken = {n: torch_bytes(c.obj) if isinstance(c, TorchSave) else c for n, c in (files or {}).items()}
         fences = [_new_fence() for _ in names]
-        future = self._thread.submit(self._run, final, dict(states), dict(files or {}), fences, overwrite)
+        future = self._thread.submit(self._run, final, dict(states), taken, fences, overwrite)
         self._last = future
 
         def settle(f: concurrent.futures.Future[SaveInfo]) -> None:

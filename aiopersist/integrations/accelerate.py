@@ -178,13 +178,13 @@ def _work_outside_checkpoints(accelerator: Any) -> None:
             exc,
         )
         return
+    work_elsewhere(base, place)
     if accelerator.is_main_process:
         _remove_leftovers(place)
-    work_elsewhere(base, place)
-    # Made to learn its mount: gone again until a save works there (a save that fails
-    # before, a name taken say, leaves the project directory holding checkpoints/ alone).
-    with contextlib.suppress(OSError):
-        os.rmdir(place)  # only if empty
+        # Made to learn its mount: gone again until a save works there (a save that fails
+        # before, a name taken say, leaves the project directory holding checkpoints/ alone).
+        with contextlib.suppress(OSError):
+            os.rmdir(place)  # only if empty
 
 
 _beside: set[str] = set()
@@ -193,7 +193,11 @@ _beside: set[str] = set()
 
 def _remove_leftovers(place: str) -> None:
     """What interrupted saves and deletions left in ``place``."""
-    leftovers = [n for n in os.listdir(place) if any(m in n for m in (TMP_MARKER, TRASH_MARKER))]
+    try:
+        names = os.listdir(place)
+    except FileNotFoundError:  # released meanwhile (empty: nothing left there)
+        return
+    leftovers = [n for n in names if any(m in n for m in (TMP_MARKER, TRASH_MARKER))]
     for name in leftovers:
         remove_path(os.path.join(place, name))
     if leftovers:
