@@ -15,6 +15,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import signal
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, Self, TypeVar
@@ -46,24 +47,67 @@ def run_loop(coro: Coroutine[Any, Any, T], name: str = "aiopersist") -> T:
     work once the interpreter has begun to exit (``concurrent.futures`` sets that before
     the interpreter joins the threads still running), so a save finishing then (in DCP's
     upload thread after the program's last line, or in an exit hook) would fail halfway
-    and be lost. At the end, as ``asyncio.run``, the tasks left are cancelled and waited
-    for; the executor is then shut down without waiting (a thread still at work stays
-    with its daemon thread, and no thread is started: ``asyncio.run`` starts one to join
-    the executor, which Python 3.12.0 and 3.12.1 refuse during the interpreter's exit)."""
+    and be lost. As ``asyncio.run``, a first Ctrl-C in the main thread cancels the work
+    (which cleans up after itself), then raises ``KeyboardInterrupt``; at the end the tasks
+    left are cancelled and waited for, their errors reported; the executor is then shut
+    down without waiting (a thread still at work stays with its daemon thread, and no
+    thread is started: ``asyncio.run`` starts one to join the executor, which Python
+    3.12.0 and 3.12.1 refuse during the interpreter's exit)."""
     loop = asyncio.new_event_loop()
     loop.set_default_executor(DaemonThreadPool(LOOP_WORKERS, f"{name}-worker"))
+    main = loop.create_task(coro)
+    interrupts = 0
+    previous: Any = None
+    if threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    ):
+        # As asyncio.run: the first Ctrl-C cancels the work (a save cleans up after itself,
+        # through its cancellation), then KeyboardInterrupt is raised; a second one at once.
+        def on_sigint(signum: int, frame: Any) -> None:
+            nonlocal interrupts
+            interrupts += 1
+            if interrupts == 1 and not main.done():
+                main.cancel()
+                loop.call_soon_threadsafe(lambda: None)
+                return
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        return loop.run_until_complete(coro)
+        try:
+            return loop.run_until_complete(main)
+        except asyncio.CancelledError:
+            if interrupts and main.uncancel() == 0:
+                raise KeyboardInterrupt from None
+            raise
     finally:
         try:
-            left = asyncio.all_tasks(loop)
-            for task in left:
-                task.cancel()
-            if left:
-                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            if previous is not None and signal.getsignal(signal.SIGINT) is on_sigint:
+                signal.signal(signal.SIGINT, previous)
+            _cancel_the_rest(loop)
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             loop.close()  # shuts the default executor down, without waiting
+
+
+def _cancel_the_rest(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel the tasks left on ``loop`` and wait for them; their errors are reported to
+    the loop's exception handler, as ``asyncio.run`` reports them."""
+    left = asyncio.all_tasks(loop)
+    for task in left:
+        task.cancel()
+    if not left:
+        return
+    loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+    for task in left:
+        if not task.cancelled() and task.exception() is not None:
+            loop.call_exception_handler(
+                {
+                    "message": "unhandled exception while aiopersist's loop was shutting down",
+                    "exception": task.exception(),
+                    "task": task,
+                }
+            )
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:

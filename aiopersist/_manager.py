@@ -837,13 +837,19 @@ class CheckpointManager:
             local = [s for s in await asyncio.to_thread(scan, self.directories, "local") if s.complete]
             mirrored = await asyncio.to_thread(scan, [self.mirror], "mirror")
             there = {s.step for s in mirrored if s.complete}
-            # A step name in the mirror that is a link is someone else's: never replaced.
+            # A step name in the mirror that is a link (to a directory, a file, or nothing: a
+            # step on a disk not mounted now) or a file is someone else's: never replaced.
+            mirror = self.mirror
             linked = await asyncio.to_thread(
-                lambda: {s.step for s in mirrored if linked_step_directory([s.path]) is not None}
+                lambda: {
+                    s.step
+                    for s in local
+                    if linked_step_directory([os.path.join(mirror, step_name(s.step))]) is not None
+                }
             )
-            for step in sorted(linked & {s.step for s in local}):
+            for step in sorted(linked):
                 log.warning(
-                    "aiopersist: not mirroring step %d: %s is a symbolic link, left alone",
+                    "aiopersist: not mirroring step %d: %s is a symbolic link or a file, left alone",
                     step,
                     os.path.join(self.mirror, step_name(step)),
                 )

@@ -716,7 +716,7 @@ def _ls(args: argparse.Namespace) -> int:
     trainer = scan(directories[0], "local", TRAINER_STEPS)
     found += trainer
     if args.mirror:
-        found += scan(_existing_directories([args.mirror])[0], "mirror")
+        found += scan(_existing_directories([args.mirror])[:1], "mirror")  # as the manager scans it
     found.sort(key=lambda s: (s.step, s.tier != "local", os.path.basename(s.path)))
     best_step = _trainer_best(trainer, strict=False)
     best = next((c for c in trainer if c.step == best_step), None)
@@ -847,7 +847,6 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
-    from .._locate import read_manifest
     from .._manager import clean_leftovers, delete_step, scan, step_paths
     from .._names import TRAINER_STEPS
     from .._retention import policy_of, to_delete
@@ -898,14 +897,8 @@ def _gc_locked(args: argparse.Namespace, directories: list[str]) -> int:
         if doomed_steps or doomed_ckpts or leftovers:
             print("dry run: pass --apply to delete")
         return 0
+    # A step is complete only with its parts in the directories given: all are deleted.
     step_dirs = {s.step: step_paths(directories, os.path.basename(s.path)) for s in doomed_steps}
-    for s in doomed_steps:
-        parts = len(read_manifest(step_dirs[s.step][0]).directories) - 1
-        if parts > len(directories) - 1:
-            print(
-                f"note: step-{s.step} has parts on {parts} other disks; they stay until a manager "
-                "with all its directories starts, or `gc` is given them"
-            )
     count, deleted = len(doomed_steps) + len(doomed_ckpts), 0
 
     def one_more(bar: Progress, nbytes: int) -> None:

@@ -336,3 +336,30 @@ def test_save_sync_in_an_exit_hook_saves(tmp_path: Path, backend: str) -> None:
     import asyncio
 
     asyncio.run(aiopersist.verify(tmp_path / "last"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ctrl_c_during_save_sync_cancels_the_save_and_leaves_nothing(tmp_path: Path, backend: str) -> None:
+    """Ctrl-C while ``save_sync`` runs: the save is cancelled (its work in progress
+    removed), then ``KeyboardInterrupt`` ends the program, as under ``asyncio.run``."""
+    rc, err = _run(
+        f"""
+        import os, signal, time, aiopersist, torch
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+
+        class Interrupts:
+            def __reduce__(self):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+                return (int, (0,))
+
+        state = {{"w": torch.ones(16 << 20)}}
+        extra = {{"slow.pt": aiopersist.TorchSave({{"x": Interrupts()}})}}
+        aiopersist.save_sync(state, {str(tmp_path / "ckpt")!r}, backend={backend!r}, extra_files=extra)
+        raise SystemExit("Ctrl-C did not interrupt the save")
+        """
+    )
+    assert rc == -2, (rc, err)
+    assert "KeyboardInterrupt" in err
+    assert sorted(os.listdir(tmp_path)) == []  # no checkpoint, no temporary directory

@@ -862,6 +862,27 @@ async def test_odd_names_in_a_manager_directory_are_neither_steps_nor_promoted(
     assert (await aiopersist.load(other, backend=backend_name))["step"] == 99
 
 
+@pytest.mark.parametrize("target", ["nothing", "a-file", "a-directory"])
+async def test_the_mirror_never_replaces_a_step_name_that_is_a_link(
+    backend_name: str, tmp_path: Path, target: str
+) -> None:
+    """A mirror's ``step-N`` that is a link (to a step on a disk not mounted now, to a
+    file, to a directory) is someone else's: the step is not mirrored over it."""
+    run, mirror, elsewhere = tmp_path / "run", tmp_path / "mirror", tmp_path / "elsewhere"
+    mirror.mkdir()
+    if target == "a-file":
+        elsewhere.write_bytes(b"x")
+    elif target == "a-directory":
+        elsewhere.mkdir()
+    (mirror / "step-1").symlink_to(elsewhere)
+    async with aiopersist.CheckpointManager(run, mirror=mirror, backend=backend_name) as mgr:
+        handle = await mgr.save(1, {"w": torch.ones(4)})
+        assert await handle.mirrored is None
+        assert await (await mgr.save(2, {"w": torch.ones(4)})).mirrored == str(mirror / "step-2")
+    assert (mirror / "step-1").is_symlink()
+    assert os.readlink(mirror / "step-1") == str(elsewhere)
+
+
 # -- durability of created directories, and cancellation ---------------------------------------
 
 
