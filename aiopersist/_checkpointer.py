@@ -257,7 +257,7 @@ class Checkpointer:
             if extra_files is not None and any(isinstance(c, TorchSave) for c in extra_files.values()):
                 extra_files = await asyncio.to_thread(captured_extra_files, extra_files)
             handle = SaveHandle(target, loop.create_future(), loop.create_future())
-            # The TorchSave objects are walked once, and only when something needs them.
+            # The TorchSave objects' tensors are looked for only when something needs them.
             snapshot = self.mode == "snapshot" and isinstance(flat, Flattened)
             extras = _extra_tensors(extra_files) if snapshot or torch.cuda.is_available() else _NO_EXTRAS
             total = self._check_budget(flat, extras) if isinstance(flat, Flattened) and snapshot else 0

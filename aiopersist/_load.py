@@ -399,6 +399,22 @@ async def _load_manifest(
     return await asyncio.to_thread(_rebuild, state, stored, pickled)
 
 
+UNLOADABLE_LAYOUTS = {
+    "dcp": (
+        "a torch.distributed.checkpoint directory (written through aiopersist.integrations.dcp): load "
+        "it with torch.distributed.checkpoint.load(state_dict, storage_reader=AiopersistReader(path)); "
+        "aiopersist.verify checks it"
+    ),
+    "fsdp": (
+        "an FSDP checkpoint of the Hugging Face Trainer or Accelerate: resume from it with "
+        "trainer.train(resume_from_checkpoint=path) or accelerator.load_state(path); its "
+        "torch.distributed.checkpoint subdirectories load with torch.distributed.checkpoint.load and "
+        "AiopersistReader; aiopersist.verify checks it"
+    ),
+}
+"""The layouts of aiopersist checkpoints that `load` does not read, and what reads them."""
+
+
 def _unpickle(raw: torch.Tensor, where: str) -> list[object]:
     try:
         pickled = pickle.loads(raw.numpy().tobytes())
@@ -567,19 +583,8 @@ async def load(
     Only the files that hold what that rank needs are read.
     """
     loc = await asyncio.to_thread(locate, path)
-    if loc.manifest is not None and loc.manifest.layout == "dcp":
-        raise UnsupportedStateError(
-            f"{loc.directory} is a torch.distributed.checkpoint directory (written through "
-            "aiopersist.integrations.dcp): load it with torch.distributed.checkpoint.load(state_dict, "
-            "storage_reader=AiopersistReader(path)); aiopersist.verify checks it"
-        )
-    if loc.manifest is not None and loc.manifest.layout == "fsdp":
-        raise UnsupportedStateError(
-            f"{loc.directory} is an FSDP checkpoint of the Hugging Face Trainer or Accelerate: resume "
-            "from it with trainer.train(resume_from_checkpoint=path) or accelerator.load_state(path); its "
-            "torch.distributed.checkpoint subdirectories load with torch.distributed.checkpoint.load and "
-            "AiopersistReader; aiopersist.verify checks it"
-        )
+    if loc.manifest is not None and loc.manifest.layout in UNLOADABLE_LAYOUTS:
+        raise UnsupportedStateError(f"{loc.directory} is {UNLOADABLE_LAYOUTS[loc.manifest.layout]}")
     pool = StagingPool()
     prefault = _Prefaulter()
     try:

@@ -74,7 +74,7 @@ from ._exceptions import (
     maps_os_errors,
     typed_error,
 )
-from ._load import load
+from ._load import UNLOADABLE_LAYOUTS, load
 from ._locate import (
     READ_FLAGS,
     PathArg,
@@ -724,9 +724,8 @@ class CheckpointManager:
                 raise ValueError(
                     f"metadata: 'step' is the manager's ({step}), got {metadata['step']!r}: name it otherwise"
                 )
-            linked = await asyncio.to_thread(
-                linked_step_directory, step_paths(self.directories, step_name(step))
-            )
+            paths = step_paths(self.directories, step_name(step))
+            linked = await asyncio.to_thread(linked_step_directory, paths)
             if linked is not None:
                 raise CheckpointExistsError(
                     f"{linked}: a symbolic link or a file where step {step}'s directory goes: the manager "
@@ -741,7 +740,6 @@ class CheckpointManager:
                 await self.checkpointer.wait()
             await fail_together(coord, os.path.join(self.directory, f"step-{step}"), exc)
         loop = asyncio.get_running_loop()
-        paths = [os.path.join(d, step_name(step)) for d in self.directories]
         meta = {**(metadata or {}), "step": str(step)}
         self._writing.add(step)
         try:
@@ -853,7 +851,8 @@ class CheckpointManager:
                     step,
                     os.path.join(self.mirror, step_name(step)),
                 )
-            wanted = [s.step for s in local if s.step not in there | linked]
+            skipped = there | linked
+            wanted = [s.step for s in local if s.step not in skipped]
             self._mirroring.update(wanted)  # local retention leaves them until copied
             keep = set(wanted) - set(to_delete(sorted(there | set(wanted)), self.mirror_retention))
             copies = [s for s in local if s.step in keep]
@@ -1040,18 +1039,11 @@ class CheckpointManager:
         await self.aclose()
 
 
-UNRESTORABLE_LAYOUTS = {
-    "dcp": "a torch.distributed.checkpoint directory (load it with dcp.load and AiopersistReader)",
-    "fsdp": "an FSDP checkpoint of the Trainer or Accelerate (resume from it there)",
-}
-"""Layouts a manager's directory may hold (retention and ``gc`` count them) that `restore`
-does not load, and why."""
-
-
 def _restorable(info: StepInfo) -> StepInfo:
-    """``info``, or, for a checkpoint `restore` cannot load (`UNRESTORABLE_LAYOUTS`), the
-    same marked incomplete for the restore, saying why (it is not damaged)."""
-    why = UNRESTORABLE_LAYOUTS.get(info.layout)
+    """``info``, or, for a checkpoint `load` does not read (`UNLOADABLE_LAYOUTS`: a manager's
+    directory may hold one, and retention and ``gc`` count it), the same marked incomplete
+    for the restore, saying why (it is not damaged)."""
+    why = UNLOADABLE_LAYOUTS.get(info.layout)
     return info if why is None else dataclasses.replace(info, complete=False, problem=why)
 
 
