@@ -148,6 +148,16 @@ does not end (a collective waiting for a rank that never comes, a write to a hun
 the pickling of a user's object) is left: it ends with the process, or aborts it if it
 comes back from torch during the interpreter's last moments."""
 
+EXIT_GATE_FLOOR_SECONDS = 2.0
+"""However much of `EXIT_WAIT_SECONDS` the earlier steps of the exit spent, the gate
+(`close_exit_gate`) still waits this long for the work under way when it closes. The
+facades spend the whole budget waiting for a cancelled save whose thread is held by a
+rank that does not come; when that rank's collective times out at the same moment, the
+thread is still letting go of the broken mesh (a gloo group's teardown, with the GIL
+released: milliseconds) as the budget ends, and the interpreter finalizing under it
+aborted the process ("terminate called without an active exception", one exit in
+about thirty here). Work that does not end costs the exit this much more."""
+
 _exit_wait_lock = threading.Lock()
 _exit_wait_deadline: float | None = None
 _exit_wait_warned = False
@@ -174,12 +184,13 @@ ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
 
 
 def close_exit_gate() -> None:
-    """Close `exit_gate`, waiting what is left of `exit_wait_left`. Registered with
+    """Close `exit_gate`, waiting what is left of `exit_wait_left`, and at least
+    `EXIT_GATE_FLOOR_SECONDS`. Registered with
     ``atexit`` when this module is first imported, so that it runs after the exit hooks
     registered later (the program's, those that let a save finish); `aiopersist._dist`
     calls it first, before it destroys its groups. Says once when work is left."""
     global _exit_wait_warned
-    if not exit_gate.close(exit_wait_left()) and not _exit_wait_warned:
+    if not exit_gate.close(max(exit_wait_left(), EXIT_GATE_FLOOR_SECONDS)) and not _exit_wait_warned:
         _exit_wait_warned = True
         log.warning(
             "aiopersist: exiting while one of its threads is still at work after %.0f s (a rank that "

@@ -178,6 +178,33 @@ def test_the_exit_s_steps_share_one_wait_and_say_once_what_is_left(
         worker.join(30)
 
 
+def test_with_the_budget_spent_the_gate_still_waits_a_moment_for_work_under_way(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A facade waited the whole budget for a cancelled save (`exit_wait_left` is 0);
+    the save's thread is still letting go of a broken mesh, a short call into torch.
+    The gate waits for it (up to `EXIT_GATE_FLOOR_SECONDS`) rather than let the
+    interpreter finalize under it, which aborted the process."""
+    monkeypatch.setattr(_workers, "_exit_wait_deadline", 0.0)  # spent
+    monkeypatch.setattr(_workers, "_exit_wait_warned", False)
+    gate = _ExitGate()
+    monkeypatch.setattr(_workers, "exit_gate", gate)
+    worker, out, release = _held_call(gate)
+    timer = threading.Timer(0.3, release.set)  # the teardown ends soon after the budget
+    timer.start()
+    try:
+        with caplog.at_level("WARNING", logger="aiopersist"):
+            _workers.close_exit_gate()
+        assert release.is_set()  # the close waited for it
+        worker.join(30)
+        assert out == ["done"]
+        assert not [r for r in caplog.records if "still at work" in r.getMessage()]
+    finally:
+        timer.cancel()
+        release.set()
+        worker.join(30)
+
+
 def test_a_pool_job_under_way_is_waited_for_and_a_later_one_refused() -> None:
     """Every job of a `DaemonThreadPool` (a load's copies, a save's hashing, the FSDP
     saver's background save) is work the exit waits for; a job that starts after the
