@@ -76,7 +76,7 @@ def main(out: str, mode: str, backend: str) -> None:
 
 def _train(out: str, mode: str, backend: str) -> None:
     model = tiny_gpt2()
-    run = os.path.join(out, "callback" if mode in ("callback", "resume") else mode)
+    run = os.path.join(out, "callback" if mode in ("callback", "resume", "resume-checked") else mode)
     best = mode in ("best", "best-stock")
     # The highest loss is "better": the first checkpoint is the best, and only it stays.
     best_args = {
@@ -91,13 +91,13 @@ def _train(out: str, mode: str, backend: str) -> None:
     args = cpu_training_args(
         run,
         save_strategy="steps"
-        if mode in ("callback", "model-only", "best", "best-stock") or each_node
+        if mode in ("callback", "resume-checked", "model-only", "best", "best-stock") or each_node
         else "no",
         save_on_each_node=each_node,
         save_only_model=mode == "model-only",
         **(best_args if best else {"save_total_limit": 2} if each_node else {}),
     )
-    saving = mode in ("callback", "model-only", "each-node", "each-node-nodes", "best")
+    saving = mode in ("callback", "resume-checked", "model-only", "each-node", "each-node-nodes", "best")
     callbacks = [Diverge(), *([AioPersistCallback(backend=backend)] if saving else [])]
     trainer = transformers.Trainer(
         model=model,
@@ -106,7 +106,9 @@ def _train(out: str, mode: str, backend: str) -> None:
         eval_dataset=Tokens(8, 16, 128) if best else None,
         callbacks=callbacks,
     )
-    resume = os.path.join(run, "checkpoint-4") if mode == "resume" else None
+    # resume-checked: the newest checkpoint, found and checked by the callback.
+    resumes: dict[str, str | bool] = {"resume": os.path.join(run, "checkpoint-4"), "resume-checked": True}
+    resume = resumes.get(mode)
     if mode == "each-node-nodes":
         try:
             trainer.train()

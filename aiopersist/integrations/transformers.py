@@ -26,7 +26,9 @@ aiopersist's manifest with checksums), so a stock ``Trainer`` resumes from it wi
 ``train(resume_from_checkpoint=...)``. ``optimizer.pt`` is the byte stream of
 ``torch.save``, written through the engine as torch produces it. A checkpoint takes its
 ``checkpoint-N`` name only once complete and durable, so ``get_last_checkpoint`` never
-picks a broken one. ``save_total_limit`` keeps the newest complete checkpoints by step
+picks one a crash left half-written; and ``train(resume_from_checkpoint=...)`` checks the
+checkpoint against its checksums before the Trainer loads it (``verify_on_resume``).
+``save_total_limit`` keeps the newest complete checkpoints by step
 number and the best one, as the stock rotation does, but only complete checkpoints count;
 incomplete ones (a stock save that crashed) older than the newest complete one are
 deleted too.
@@ -71,12 +73,14 @@ except ModuleNotFoundError as exc:
     ) from exc
 
 from .. import _knobs
-from .._blocking import BlockingCheckpointer, BlockingSaveHandle
+from .._blocking import BlockingCheckpointer, BlockingSaveHandle, run_loop
 from .._checkpointer import Mode
 from .._commit import remove_path
 from .._dist import GroupRef, background_group, coordinator, process0_group
+from .._exceptions import AiopersistError, CheckpointCorruptError, LinkedFileError, NewerFormatError
+from .._load import verify
 from .._manager import StepInfo, scan
-from .._names import TMP_MARKER, TRAINER_STEPS, TRASH_MARKER
+from .._names import MANIFEST_NAME, TMP_MARKER, TRAINER_STEPS, TRASH_MARKER
 from .._retention import SaveTotalLimit, to_delete
 from .._save import SaveInfo, TorchSave
 from ._common import delete_checkpoints, files_written_by, gather_objects, with_buffers_copied
@@ -204,6 +208,18 @@ class AioPersistCallback(TrainerCallback):
     the optimizer, in the stock FSDP layout (``pytorch_model_fsdp_0/``, ``optimizer_0/``,
     see `aiopersist.integrations._fsdp`), and process 0 the other files.
 
+    ``verify_on_resume`` (the default): ``train(resume_from_checkpoint=...)`` first checks
+    the checkpoint it resumes from against its manifest (every file's size and checksum,
+    as ``aiopersist verify``), before the Trainer loads anything from it: a checkpoint
+    named by its path that fails raises `CheckpointCorruptError`; with ``True`` the
+    newest checkpoint that checks out is taken, with a warning naming those passed over
+    (the Trainer alone takes the newest by its name, damaged or not). A checkpoint without
+    a manifest (a stock save's) is the Trainer's to load, unchecked. Under DDP or FSDP
+    the first process of each node checks it and every process takes the same one. The
+    check reads the checkpoint once more; ``False`` leaves resuming to the Trainer alone.
+    Only a callback given to the ``Trainer`` when it is made (``callbacks=[...]``) is in
+    place for the first ``train()``.
+
     Limits (checked at the start of training, with a clear error): one process, DDP or
     FSDP2 with ``SHARDED_STATE_DICT`` (not FSDP1, not ``FULL_STATE_DICT``, not
     ``save_on_each_node`` across nodes), no DeepSpeed (its optimizer step runs inside
@@ -219,8 +235,10 @@ class AioPersistCallback(TrainerCallback):
         mode: Mode = "fence",
         snapshot_bytes: int | None = None,
         durable_on_save: bool | None = None,
+        verify_on_resume: bool = True,
     ) -> None:
         self.backend = backend
+        self.verify_on_resume = verify_on_resume
         self.mode = mode
         self.snapshot_bytes = snapshot_bytes
         self.durable_on_save = durable_on_save
@@ -269,6 +287,8 @@ class AioPersistCallback(TrainerCallback):
 
         @functools.wraps(train)
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            if self.verify_on_resume:
+                args, kwargs = self._checked_resume(trainer, args, kwargs)
             try:
                 return train(*args, **kwargs)
             except BaseException:
@@ -279,6 +299,62 @@ class AioPersistCallback(TrainerCallback):
 
         guarded._aiopersist_guard = self  # type: ignore[attr-defined]
         vars(trainer)["train"] = guarded
+
+    def _checked_resume(
+        self, trainer: Trainer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``train()``'s arguments, with ``resume_from_checkpoint`` checked (see
+        ``verify_on_resume``): unchanged, or ``True`` replaced by the newest checkpoint
+        that checks out when the newest does not."""
+        positional = bool(args)
+        resume = args[0] if positional else kwargs.get("resume_from_checkpoint")
+        if resume is None or resume is False:
+            return args, kwargs
+        if resume is not True:
+            path = os.fspath(resume)
+            problem = self._agreed_problem(trainer, path)
+            if problem is not None:
+                raise CheckpointCorruptError(
+                    f"resume_from_checkpoint={path!r}: {problem}; nothing was loaded from it"
+                )
+            return args, kwargs
+        folder = str(trainer.args.output_dir)
+        candidates = _stock_checkpoints(folder)
+        passed_over: list[str] = []
+        for path in candidates:
+            problem = self._agreed_problem(trainer, path)
+            if problem is None:
+                if not passed_over:
+                    return args, kwargs  # the Trainer's own choice checks out
+                log.warning(
+                    "aiopersist: resume_from_checkpoint=True: resuming from %s, the newest checkpoint that "
+                    "checks out; passed over: %s",
+                    path,
+                    "; ".join(passed_over),
+                )
+                if positional:
+                    return (path, *args[1:]), kwargs
+                return args, {**kwargs, "resume_from_checkpoint": path}
+            passed_over.append(f"{os.path.basename(path)} ({problem})")
+        if not passed_over:
+            return args, kwargs  # none at all: the Trainer says so
+        raise CheckpointCorruptError(
+            f"resume_from_checkpoint=True: no checkpoint in {folder} checks out: {'; '.join(passed_over)}"
+        )
+
+    def _agreed_problem(self, trainer: Trainer, path: str) -> str | None:
+        """What is wrong with checkpoint ``path`` (``None``: it checks out, or has no
+        manifest to check it against), the same on every process: the first of each node
+        checks it (a node may read it from a disk of its own), all hear every verdict."""
+        coord = coordinator() if trainer.args.world_size > 1 else None
+        mine = None
+        if coord is None or coord.local_rank == 0:
+            mine = _checkpoint_problem(path, self.backend)
+        if coord is None:
+            return mine
+        found = coord.all_gather(mine, "checking the checkpoint to resume from")
+        problems = [f"process {rank}: {problem}" for rank, problem in enumerate(found) if problem is not None]
+        return "; ".join(problems) or None
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -776,6 +852,55 @@ def _early_fence_reason(trainer: Trainer) -> str | None:
             if isinstance(module, torch.nn.Embedding | torch.nn.EmbeddingBag) and module.max_norm is not None:
                 kind = type(module).__name__
                 return f"{name or 'the model'} ({kind} with max_norm) renormalises rows in the forward"
+    return None
+
+
+_STOCK_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}\-(\d+)$")
+"""A checkpoint's name as ``get_last_checkpoint`` matches it (its ``$`` included)."""
+
+
+def _stock_checkpoints(folder: str) -> list[str]:
+    """The checkpoints ``get_last_checkpoint(folder)`` chooses among, its choice first:
+    directories (or links to one) named ``checkpoint-N``, newest step first."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        match = _STOCK_CHECKPOINT.search(name)
+        if match is not None and os.path.isdir(os.path.join(folder, name)):
+            found.append((int(match.group(1)), name))
+    return [os.path.join(folder, name) for _, name in sorted(found, reverse=True)]
+
+
+def _checkpoint_problem(path: str, backend: str) -> str | None:
+    """Why checkpoint ``path`` cannot be trusted (`aiopersist.verify` against its
+    manifest), or ``None``: it checks out, or it has no manifest (a stock save's), or it
+    cannot be checked but the Trainer can load it (a newer format's manifest, a file
+    linked from elsewhere: said in the log). Runs the check on a loop of its own, in a
+    thread: the caller may be on a running event loop (a notebook)."""
+    if not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
+        return None
+    out: list[Any] = []
+
+    def check() -> None:
+        try:
+            out.append(run_loop(verify(path, backend=backend), "aiopersist-verify"))
+        except BaseException as exc:  # handed to the caller
+            out.append(exc)
+
+    thread = threading.Thread(target=check, name="aiopersist-verify", daemon=True)
+    thread.start()
+    thread.join()
+    (result,) = out
+    if isinstance(result, (LinkedFileError, NewerFormatError)):
+        log.warning("aiopersist: %s is not checked before resuming from it: %s", path, result)
+        return None
+    if isinstance(result, AiopersistError):
+        return str(result)
+    if isinstance(result, BaseException):
+        raise result
     return None
 
 

@@ -931,6 +931,15 @@ def test_kill_9_mid_save_resumes_from_the_previous_complete_checkpoint(tmp_path:
     assert resumed.state.global_step == step + 2
 
 
+def flip_byte(path: Path) -> None:
+    """One byte in the middle of ``path`` flipped, in place (its size and times aside)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
 def _torchrun(out: Path, mode: str, backend: str) -> list[dict[str, Any]]:
     import json
     import socket
@@ -984,7 +993,14 @@ def test_under_ddp_a_stock_trainer_resumes_bit_exactly(
     r0, r1 = (torch.load(checkpoint / f"rng_state_{i}.pth", weights_only=False) for i in (0, 1))
     assert not torch.equal(r0["cpu"], r1["cpu"])  # each rank's own, not rank 0's twice
     _torchrun(tmp_path, "resume", backend)
-    for name in ("callback", "resume"):
+    # The newest checkpoint damaged: with the callback, resume_from_checkpoint=True takes
+    # checkpoint-6 on both processes (checked by process 0, agreed by both) and still
+    # ends with the uninterrupted run's weights; its checkpoint-8 replaces the damaged one.
+    newest = tmp_path / "callback" / "checkpoint-8"
+    flip_byte(newest / "model.safetensors")
+    _torchrun(tmp_path, "resume-checked", backend)
+    asyncio.run(aiopersist.verify(newest))
+    for name in ("callback", "resume", "resume-checked"):
         got = torch.load(tmp_path / f"{name}.pt")
         for k, v in ddp_stock_weights.items():
             assert torch.equal(got[k], v), (name, k)
