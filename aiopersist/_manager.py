@@ -599,6 +599,11 @@ class CheckpointManager:
         self._rank0 = _is_rank0()
         self._reading: set[str] = set()
         self._writing: set[int] = set()
+        self._unloadable: dict[int, str] = {}
+        """Steps whose local copy `restore` found damaged (it fell back past them), with
+        why: a save of that step replaces the copy (`_replaceable`)."""
+        self._said_broken: set[str] = set()
+        """The damaged steps `latest` has warned of (once each)."""
         self._mirroring: set[int] = set()
         self._unmirrored: set[int] = set()
         """Steps committed locally whose own mirroring has not been tried yet: the local
@@ -677,9 +682,25 @@ class CheckpointManager:
 
     @maps_os_errors("CheckpointManager.latest")
     def latest(self) -> int | None:
-        """The newest complete step, or ``None``."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The newest complete step, or ``None``. Newer steps that are proven damaged
+        (`StepInfo.damaged`) are passed over with a warning, once each: a run that starts
+        afresh (or from an older step) does so knowingly, and its save of such a step
+        replaces it."""
+        infos = self.scan()
+        steps = sorted({s.step for s in infos if s.complete})
+        newest = steps[-1] if steps else None
+        for info in infos:
+            if info.damaged and (newest is None or info.step > newest) and info.path not in self._said_broken:
+                self._said_broken.add(info.path)
+                log.warning(
+                    "aiopersist: latest() passes over step %d (%s): damaged: %s; "
+                    "a save of step %d replaces it",
+                    info.step,
+                    info.path,
+                    info.problem,
+                    info.step,
+                )
+        return newest
 
     # The scans read every step's manifest (seconds for many large steps): in a coroutine,
     # use these, which run them in a worker thread and leave the event loop free.
@@ -731,6 +752,13 @@ class CheckpointManager:
                     f"{linked}: a symbolic link or a file where step {step}'s directory goes: the manager "
                     "writes and deletes only in directories of its own, never through a link; remove it"
                 )
+            if not overwrite:
+                broken = await asyncio.to_thread(self._replaceable, step, paths)
+                if broken is not None:
+                    log.warning(
+                        "aiopersist: step %d replaces %s, which is damaged: %s", step, paths[0], broken
+                    )
+                    overwrite = True
         except Exception as exc:
             # With several ranks the others are told at the save's first exchange, rather
             # than wait there for this rank until AIOPERSIST_DIST_TIMEOUT: in this save's
@@ -760,6 +788,21 @@ class CheckpointManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return managed
+
+    def _replaceable(self, step: int, paths: list[str]) -> str | None:
+        """Why the step already at ``paths`` may be replaced by a save of ``step`` without
+        ``overwrite``: its local copy is damaged (`restore` fell back past it, or it is
+        incomplete and proven broken, `StepInfo.damaged`, as retention and ``gc`` judge
+        it). ``None``: it is absent, or complete, or cannot be told broken (a newer format,
+        a link): the save refuses as ever. A run that falls back to an older step, or starts
+        afresh, would otherwise fail at that step's save, every time it is run again."""
+        if not os.path.lexists(paths[0]):
+            return None
+        why = self._unloadable.get(step)
+        if why is not None:
+            return why
+        complete, _, problem, damaged, _ = _checked_step(paths, step)
+        return problem if not complete and damaged else None
 
     async def _after(self, managed: ManagedSaveHandle) -> None:
         mirrored = managed.mirrored
@@ -908,7 +951,8 @@ class CheckpointManager:
         the mirror, then older steps (only the given ``step``'s copies when one is
         given). `restored_step` tells which step was loaded. Raises
         `CheckpointNotFoundError` when there is no step, `CheckpointCorruptError` when
-        none could be loaded. An ``into`` object is only changed by a step that loads.
+        none could be loaded (or the only steps are damaged). An ``into`` object is only
+        changed by a step that loads. A later `save` of a step found damaged replaces it.
 
         Under ``torch.distributed`` every rank of ``group`` (the default group when
         ``None``) calls `restore`, and the ranks restore the same step: the newest that
@@ -948,6 +992,11 @@ class CheckpointManager:
         if not common:
             what = "no complete checkpoint" if step is None else f"no complete checkpoint of step {step}"
             where = " on every rank" if coord is not None and any(everywhere) else ""
+            if any(s.damaged for s in found):
+                # Checkpoints were there and are broken: not a run to start afresh unawares.
+                raise CheckpointCorruptError(
+                    f"{what} in {tiers}{where}; damaged:\n  " + "\n  ".join(failures)
+                )
             raise CheckpointNotFoundError(f"{what} in {tiers}{where}")
         last: BaseException | None = None
         for number in sorted(common, reverse=True):
@@ -961,18 +1010,25 @@ class CheckpointManager:
                 )
             except FAILURES as exc:  # not about the checkpoint (or cancelled): every rank raises
                 error = exc
-            problems = await agree(None if failed is None else str(failed), error)
+            # Why this rank could not load it, and whether that proves the copy damaged
+            # (a link or a newer format does not: such a step is never replaced unasked).
+            verdict = None if failed is None else (str(failed), not isinstance(failed, _NOT_DAMAGE))
+            problems = await agree(verdict, error)
             if all(p is None for p in problems):
                 if failures:
                     log.warning("aiopersist: restored step %d from %s", number, source)
                 self.restored_step = number
                 return result
             last = failed or last
+            said = [p for p in problems if p is not None]
+            local = any(s.tier == "local" for s in found if s.step == number)
+            if local and all(damage for _, damage in said):
+                self._unloadable[number] = said[0][0]
             for r, p in enumerate(problems):
                 if p is not None and coord is not None and r != coord.rank:
-                    failures.append(f"step {number} on rank {r}: {p}")
+                    failures.append(f"step {number} on rank {r}: {p[0]}")
                     log.warning(
-                        "aiopersist: not restoring step %d: rank %d could not load it: %s", number, r, p
+                        "aiopersist: not restoring step %d: rank %d could not load it: %s", number, r, p[0]
                     )
         raise CheckpointCorruptError(
             f"no checkpoint in {tiers} could be restored:\n  " + "\n  ".join(failures)
@@ -1037,6 +1093,10 @@ class CheckpointManager:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+_NOT_DAMAGE = (LinkedFileError, NewerFormatError)
+"""Load errors that refuse a checkpoint without proving it broken."""
 
 
 def _restorable(info: StepInfo) -> StepInfo:

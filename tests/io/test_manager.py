@@ -5,6 +5,7 @@ comes and goes). Every I/O test runs on both backends."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -377,6 +378,99 @@ async def test_start_puts_back_a_step_moved_aside_by_an_interrupted_overwrite(tm
         assert (await mgr.restore())["step"] == 1
     finally:
         await mgr.aclose()
+
+
+def _flip_middle(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+async def _loop(mgr: aiopersist.CheckpointManager, to: int) -> int:
+    """The docs' resume loop: restore if there is a step, then save each step up to ``to``;
+    the step it started from."""
+    start = 0
+    if await mgr.alatest() is not None:
+        start = (await mgr.restore())["step"]
+    for step in range(start + 1, to + 1):
+        await (await mgr.save(step, state_of(step))).done
+    return start
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "file lost"])
+@pytest.mark.asyncio
+async def test_a_run_that_fell_back_past_a_damaged_step_saves_that_step_again(
+    tmp_path: Path, backend: str, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The newest step damaged (its data flipped: complete by its manifest, caught by the
+    restore's checksums; truncated or a file lost: incomplete and proven broken):
+    the resume loop restores the step before it and, reaching the damaged step, replaces
+    it with a warning. It failed there with CheckpointExistsError, at every rerun."""
+    run = tmp_path / "ck"
+    async with aiopersist.CheckpointManager(run, backend=backend) as mgr:
+        assert await _loop(mgr, 3) == 0
+    data = run / "step-3" / "state.safetensors"
+    if damage == "flipped":
+        _flip_middle(data)
+    elif damage == "truncated":
+        os.truncate(data, data.stat().st_size // 2)
+    else:
+        data.unlink()
+    with caplog.at_level(logging.WARNING, logger="aiopersist"):
+        async with aiopersist.CheckpointManager(run, backend=backend) as mgr:
+            assert await _loop(mgr, 4) == 2
+            assert mgr.steps() == [1, 2, 3, 4]
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("aiopersist: step 3 replaces ") and "damaged" in m for m in said), said
+    await aiopersist.verify(run / "step-3", backend=backend)
+    back = await aiopersist.load(run / "step-3", backend=backend)
+    assert torch.equal(back["w"], state_of(3)["w"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_only_damaged_steps_are_no_silent_fresh_start(
+    tmp_path: Path, backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every step damaged: restore() raises CheckpointCorruptError listing each (not
+    CheckpointNotFoundError, which a loop takes for a fresh start), latest() warns of
+    each once, and a run started afresh regardless replaces them as it reaches them. A
+    step that is not damaged but not loadable either (its manifest of a newer format) is
+    never replaced unasked, nor is a step directory without a manifest (it may not be
+    the manager's: only what its manifest proves broken is)."""
+    run = tmp_path / "ck"
+    async with aiopersist.CheckpointManager(run, backend=backend) as mgr:
+        await _loop(mgr, 2)
+    os.truncate(run / "step-1" / "state.safetensors", 10)
+    (run / "step-2" / "state.safetensors").unlink()
+    with caplog.at_level(logging.WARNING, logger="aiopersist"):
+        async with aiopersist.CheckpointManager(run, backend=backend) as mgr:
+            with pytest.raises(aiopersist.CheckpointCorruptError) as caught:
+                await mgr.restore()
+            message = str(caught.value)
+            assert "step-1/state.safetensors" in message
+            assert "step-2/state.safetensors: missing" in message
+            assert mgr.latest() is None
+            assert mgr.latest() is None
+            passed = [r.getMessage() for r in caplog.records if "latest() passes over" in r.getMessage()]
+            assert len(passed) == 2, passed  # once each
+            assert await _loop(mgr, 2) == 0
+            assert mgr.steps() == [1, 2]
+    # A newer format's step: refused to load, but not proven broken, so not replaced.
+    doc = json.loads((run / "step-2" / "aiopersist.json").read_text())
+    doc["version"] = 999
+    (run / "step-2" / "aiopersist.json").write_text(json.dumps(doc))
+    async with aiopersist.CheckpointManager(run, backend=backend) as mgr:
+        assert (await mgr.restore())["step"] == 1
+        with pytest.raises(aiopersist.CheckpointExistsError):
+            await (await mgr.save(2, state_of(2))).done
+    (run / "step-2" / "aiopersist.json").unlink()
+    async with aiopersist.CheckpointManager(run, backend=backend) as mgr:
+        with pytest.raises(aiopersist.CheckpointExistsError):
+            await (await mgr.save(2, state_of(2))).done
 
 
 # -- one manager per directory --------------------------------------------------------------
