@@ -1,6 +1,7 @@
 """What the integrations share: the small files they write the way their framework does,
 the per-process states gathered for process 0 (which writes alone), the files a
-framework's own writer produces, and the crash-safe deletion of checkpoints.
+framework's own writer produces, the crash-safe deletion of checkpoints, and the check of
+a checkpoint before a framework resumes from it.
 
 Nothing here imports a framework: each integration module imports its own.
 """
@@ -12,17 +13,21 @@ import io
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from .._backends import to_thread_to_the_end
+from .._blocking import run_loop
 from .._commit import in_work_place, remove_path
 from .._dist import coordinator
+from .._exceptions import AiopersistError, LinkedFileError, NewerFormatError
+from .._load import verify
 from .._manager import delete_step
 from .._manifest import MAX_MEMBER_DEPTH
-from .._names import TMP_MARKER, work_place
+from .._names import MANIFEST_NAME, TMP_MARKER, work_place
 
 log = logging.getLogger("aiopersist")
 
@@ -175,3 +180,51 @@ def with_buffers_copied(model: torch.nn.Module, state: dict[str, Any]) -> dict[s
         view = torch.empty(0, dtype=value.dtype, device=value.device)
         out[name] = view.set_(copies[key], value.storage_offset(), value.size(), value.stride())
     return out
+
+
+def checkpoint_problem(path: str, backend: str, distributed: bool) -> str | None:
+    """Why checkpoint ``path`` cannot be trusted to resume from, or ``None``: it checks out
+    against its manifest (`aiopersist.verify`: every file's size and checksum), or it has
+    no manifest (a stock save's: nothing to check it against), or it cannot be checked but
+    its framework can load it (a newer format's manifest, a file linked from elsewhere:
+    said in the log).
+
+    ``distributed``: every process calls this, in the same order; the first process of
+    each node checks (a node may read the checkpoint from a disk of its own) and every
+    process gets every verdict, so that all take the same decision."""
+    coord = coordinator() if distributed else None
+    mine = None
+    if coord is None or coord.local_rank == 0:
+        mine = _verified(path, backend)
+    if coord is None:
+        return mine
+    found = coord.all_gather(mine, "checking the checkpoint to resume from")
+    problems = [f"process {rank}: {problem}" for rank, problem in enumerate(found) if problem is not None]
+    return "; ".join(problems) or None
+
+
+def _verified(path: str, backend: str) -> str | None:
+    """`checkpoint_problem` on this process. The check runs on an event loop of its own, in
+    a thread: the caller may be on a running loop (a notebook)."""
+    if not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
+        return None
+    out: list[Any] = []
+
+    def check() -> None:
+        try:
+            out.append(run_loop(verify(path, backend=backend), "aiopersist-verify"))
+        except BaseException as exc:  # handed to the caller
+            out.append(exc)
+
+    thread = threading.Thread(target=check, name="aiopersist-verify", daemon=True)
+    thread.start()
+    thread.join()
+    (result,) = out
+    if isinstance(result, (LinkedFileError, NewerFormatError)):
+        log.warning("aiopersist: %s is not checked before resuming from it: %s", path, result)
+        return None
+    if isinstance(result, AiopersistError):
+        return str(result)
+    if isinstance(result, BaseException):
+        raise result
+    return None

@@ -2,7 +2,8 @@
 
 ``handle = await save_state(accelerator, "ckpt/step-100", checkpointer=ckpt)`` writes
 what ``accelerator.save_state`` writes, in Accelerate's own layout, so that
-``accelerator.load_state("ckpt/step-100")`` restores it:
+``accelerator.load_state("ckpt/step-100")`` restores it (`load_state` here checks it
+against its checksums first):
 
 - ``model.safetensors``: the prepared model's state dict (``get_state_dict(model,
   unwrap=False)``, as ``save_state`` takes it), and ``model_1.safetensors``... for more
@@ -74,11 +75,12 @@ from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Checkpointer, SaveHandle, rebuildable
 from .._commit import make_directories, mount_of, remove_path
 from .._dist import _derived_group, background_group, coordinator, process0_group
-from .._exceptions import CheckpointExistsError, UnsupportedStateError
+from .._exceptions import CheckpointCorruptError, CheckpointExistsError, UnsupportedStateError
 from .._locate import absolute_path
 from .._names import LEFTOVER_MARKERS, TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
 from .._save import SafetensorsSave, SaveInfo, TorchSave
 from ._common import (
+    checkpoint_problem,
     delete_checkpoints,
     files_written_by,
     gather_objects,
@@ -608,6 +610,76 @@ def save_state_blocking(
         )
     accelerator.project_configuration.iteration += 1  # as save_state, on every process
     return handle
+
+
+def load_state(
+    accelerator: Any,
+    input_dir: str | os.PathLike[str] | None = None,
+    *,
+    backend: str = "auto",
+    **kwargs: Any,
+) -> None:
+    """``accelerator.load_state(input_dir, **kwargs)``, once the checkpoint is checked
+    against its manifest (every file's size and checksum, as ``aiopersist verify``), before
+    Accelerate loads anything from it (under FSDP its model and optimizer load first of
+    all, before any hook could look). Accelerate alone loads a damaged checkpoint without
+    a word: flipped weights, a lost RNG state.
+
+    A checkpoint named by ``input_dir`` that fails raises `CheckpointCorruptError`. With
+    ``input_dir=None`` and ``automatic_checkpoint_naming``, the newest checkpoint of
+    ``<project_dir>/checkpoints`` that checks out is loaded (a warning names those passed
+    over and why; none: `CheckpointCorruptError` listing each). A checkpoint without a
+    manifest (``save_state``'s own) is loaded unchecked, as Accelerate would. Every process
+    calls it; the first of each node checks, and all load the same checkpoint. The check
+    reads the checkpoint once more."""
+    distributed = accelerator.num_processes > 1
+    if input_dir is not None:
+        path = os.path.expanduser(os.fspath(input_dir))
+        problem = checkpoint_problem(path, backend, distributed)
+        if problem is not None:
+            raise CheckpointCorruptError(f"{path}: {problem}; nothing was loaded from it")
+        accelerator.load_state(input_dir, **kwargs)
+        return
+    if not accelerator.project_configuration.automatic_checkpoint_naming:
+        accelerator.load_state(None, **kwargs)  # Accelerate's own error
+        return
+    base = os.path.join(accelerator.project_dir, "checkpoints")
+    passed_over: list[str] = []
+    for path in _newest_first(base):
+        problem = checkpoint_problem(path, backend, distributed)
+        if problem is None:
+            if passed_over:
+                log.warning(
+                    "aiopersist: load_state: loading %s, the newest checkpoint that checks out; "
+                    "passed over: %s",
+                    path,
+                    "; ".join(passed_over),
+                )
+            accelerator.load_state(path, **kwargs)
+            return
+        passed_over.append(f"{os.path.basename(path)} ({problem})")
+    if not passed_over:
+        accelerator.load_state(None, **kwargs)  # none to check: Accelerate's own choice, or error
+        return
+    raise CheckpointCorruptError(f"load_state: no checkpoint in {base} checks out: {'; '.join(passed_over)}")
+
+
+def _newest_first(base: str) -> list[str]:
+    """The checkpoints ``load_state()`` chooses among in ``base`` (automatic naming), its
+    choice first: the entries numbered in their names, by that number; aiopersist's own
+    work in progress and what is not a directory left out."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(base, name)
+        ours = any(m in name for m in LEFTOVER_MARKERS)
+        if ours or not re.search(r"[0-9]", name) or not os.path.isdir(path):
+            continue
+        found.append((_iteration_of(path), path))
+    return [path for _, path in sorted(found, reverse=True)]
 
 
 def _done(path: str) -> SaveHandle:

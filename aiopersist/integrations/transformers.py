@@ -73,17 +73,22 @@ except ModuleNotFoundError as exc:
     ) from exc
 
 from .. import _knobs
-from .._blocking import BlockingCheckpointer, BlockingSaveHandle, run_loop
+from .._blocking import BlockingCheckpointer, BlockingSaveHandle
 from .._checkpointer import Mode
 from .._commit import remove_path
 from .._dist import GroupRef, background_group, coordinator, process0_group
-from .._exceptions import AiopersistError, CheckpointCorruptError, LinkedFileError, NewerFormatError
-from .._load import verify
+from .._exceptions import CheckpointCorruptError
 from .._manager import StepInfo, scan
-from .._names import MANIFEST_NAME, TMP_MARKER, TRAINER_STEPS, TRASH_MARKER
+from .._names import TMP_MARKER, TRAINER_STEPS, TRASH_MARKER
 from .._retention import SaveTotalLimit, to_delete
 from .._save import SaveInfo, TorchSave
-from ._common import delete_checkpoints, files_written_by, gather_objects, with_buffers_copied
+from ._common import (
+    checkpoint_problem,
+    delete_checkpoints,
+    files_written_by,
+    gather_objects,
+    with_buffers_copied,
+)
 from ._fsdp import ShardedSave, ShardedSaver, check_plugin, fsdp_states
 
 log = logging.getLogger("aiopersist")
@@ -343,18 +348,9 @@ class AioPersistCallback(TrainerCallback):
         )
 
     def _agreed_problem(self, trainer: Trainer, path: str) -> str | None:
-        """What is wrong with checkpoint ``path`` (``None``: it checks out, or has no
-        manifest to check it against), the same on every process: the first of each node
-        checks it (a node may read it from a disk of its own), all hear every verdict."""
-        coord = coordinator() if trainer.args.world_size > 1 else None
-        mine = None
-        if coord is None or coord.local_rank == 0:
-            mine = _checkpoint_problem(path, self.backend)
-        if coord is None:
-            return mine
-        found = coord.all_gather(mine, "checking the checkpoint to resume from")
-        problems = [f"process {rank}: {problem}" for rank, problem in enumerate(found) if problem is not None]
-        return "; ".join(problems) or None
+        """What is wrong with checkpoint ``path``, the same on every process (see
+        `checkpoint_problem`)."""
+        return checkpoint_problem(path, self.backend, trainer.args.world_size > 1)
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -872,36 +868,6 @@ def _stock_checkpoints(folder: str) -> list[str]:
         if match is not None and os.path.isdir(os.path.join(folder, name)):
             found.append((int(match.group(1)), name))
     return [os.path.join(folder, name) for _, name in sorted(found, reverse=True)]
-
-
-def _checkpoint_problem(path: str, backend: str) -> str | None:
-    """Why checkpoint ``path`` cannot be trusted (`aiopersist.verify` against its
-    manifest), or ``None``: it checks out, or it has no manifest (a stock save's), or it
-    cannot be checked but the Trainer can load it (a newer format's manifest, a file
-    linked from elsewhere: said in the log). Runs the check on a loop of its own, in a
-    thread: the caller may be on a running event loop (a notebook)."""
-    if not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
-        return None
-    out: list[Any] = []
-
-    def check() -> None:
-        try:
-            out.append(run_loop(verify(path, backend=backend), "aiopersist-verify"))
-        except BaseException as exc:  # handed to the caller
-            out.append(exc)
-
-    thread = threading.Thread(target=check, name="aiopersist-verify", daemon=True)
-    thread.start()
-    thread.join()
-    (result,) = out
-    if isinstance(result, (LinkedFileError, NewerFormatError)):
-        log.warning("aiopersist: %s is not checked before resuming from it: %s", path, result)
-        return None
-    if isinstance(result, AiopersistError):
-        return str(result)
-    if isinstance(result, BaseException):
-        raise result
-    return None
 
 
 def _running_trainer(callback: AioPersistCallback) -> Trainer:
