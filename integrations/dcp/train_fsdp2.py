@@ -5,8 +5,9 @@ AdamW on synthetic data. Every ``--every`` steps it starts ``dcp.async_save`` of
 model's and optimizer's sharded state (``get_state_dict``) with aiopersist's
 `FenceStager` and `AiopersistWriter`: no copy of the state, the save overlaps the next
 forward and backward, and the optimizer step waits on the fence. On start it resumes
-from the newest complete ``step-N`` under ``--out`` (``set_state_dict``), on any number
-of ranks (DCP reshards).
+from the newest ``step-N`` under ``--out`` that loads (``set_state_dict``; a damaged one
+is passed over, and replaced when training reaches its step again), on any number of
+ranks (DCP reshards).
 
     torchrun --nproc-per-node 2 integrations/dcp/train_fsdp2.py --out /tmp/run --steps 20 --every 5
 
@@ -25,6 +26,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save
@@ -50,15 +52,42 @@ def build(width: int, depth: int, device: str) -> torch.nn.Module:
     return model
 
 
-def newest_step(out: str) -> int | None:
-    """The newest complete checkpoint: one with DCP's metadata and aiopersist's manifest
-    (an interrupted save never has its final name)."""
+def saved_steps(out: str) -> list[int]:
+    """The checkpoints under ``out``, newest first: those with aiopersist's manifest (an
+    interrupted save never has its final name)."""
     steps = []
     for name in os.listdir(out) if os.path.isdir(out) else []:
         m = STEP_RE.match(name)
         if m and os.path.exists(os.path.join(out, name, "aiopersist.json")):
             steps.append(int(m.group(1)))
-    return max(steps) if steps else None
+    return sorted(steps, reverse=True)
+
+
+def newest_step(out: str) -> int | None:
+    steps = saved_steps(out)
+    return steps[0] if steps else None
+
+
+def resume(out: str, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int) -> int:
+    """Load the newest checkpoint that loads (``AiopersistReader`` checks every byte it
+    reads, and refuses a damaged checkpoint before the state is changed); the step it is
+    of, 0 when none. DCP raises a load's failure on every rank alike, so all go on to the
+    same older step."""
+    for step in saved_steps(out):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        try:
+            path = os.path.join(out, f"step-{step}")
+            dcp_load(state, checkpoint_id=path, storage_reader=AiopersistReader())
+        except CheckpointException as exc:  # a BaseException: what each rank's reader raised
+            if rank == 0:
+                print(f"step {step}: not loaded, trying an older one: {str(exc)[:500]}", flush=True)
+            continue
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if rank == 0:
+            print(f"resumed from step {step}", flush=True)
+        return step
+    return 0
 
 
 def main() -> None:
@@ -82,22 +111,13 @@ def main() -> None:
     model = build(args.width, args.depth, args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    start = 0
-    resumed = newest_step(args.out)
-    if resumed is not None:
-        model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp_load(
-            state, checkpoint_id=os.path.join(args.out, f"step-{resumed}"), storage_reader=AiopersistReader()
-        )
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        start = resumed
-        if rank == 0:
-            print(f"resumed from step {resumed}", flush=True)
+    start = resume(args.out, model, opt, rank)
 
     # One writer and stager for the run: a save that fails in DCP's write step leaves its
-    # temporary directory, which the same writer's next save removes.
-    writer = AiopersistWriter()
+    # temporary directory, which the same writer's next save removes. overwrite=True: the
+    # run resumed from the newest checkpoint that loads, so a newer one is damaged, and is
+    # replaced when training comes back to its step.
+    writer = AiopersistWriter(overwrite=True)
     stager = FenceStager(writer)
     upload = None
     fence_due = False

@@ -99,6 +99,20 @@ def test_the_fsdp2_example_resumes_exactly_where_it_stopped(tmp_path: Path) -> N
     resumed = _train_fsdp2(tmp_path / "b", 2, 15)
     assert (resumed["start"], resumed["newest"]) == (10, 15)
     assert resumed["loss"] == straight["loss"]
+    # Its newest checkpoint damaged: a rerun passes over it (AiopersistReader refuses it
+    # on both ranks), resumes from step 10, and replaces step 15 when it reaches it.
+    data = tmp_path / "b" / "step-15" / "__0_0.distcp"
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    again = _train_fsdp2(tmp_path / "b", 2, 15)
+    assert (again["start"], again["newest"]) == (10, 15)
+    assert again["loss"] == straight["loss"]
+    import asyncio
+
+    asyncio.run(aiopersist.verify(tmp_path / "b" / "step-15"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
