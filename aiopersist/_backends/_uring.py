@@ -154,7 +154,8 @@ class UringBackend(IOBackend):
                 self._slots.release()
                 req = self._requests.pop(rid, None)
                 if req is not None:
-                    req.keepalive = None
+                    kept, req.keepalive = req.keepalive, None
+                    uring.release(kept)  # never given to the kernel
                     if not req.future.done():
                         req.future.set_exception(exc)
             return
@@ -189,7 +190,10 @@ class UringBackend(IOBackend):
             log.warning("io_uring: completion for unknown request %d (res=%d)", rid, res)
             return
         self._slots.release()
-        req.keepalive = None  # the kernel is done with the memory: drop the pointers now
+        # The kernel is done with the memory: the pointers go now, the buffer export with
+        # them (`binding.release`), whoever else holds a reference.
+        kept, req.keepalive = req.keepalive, None
+        uring.release(kept)
         if not req.future.done():
             req.future.set_result(res)
 
@@ -298,7 +302,9 @@ class UringBackend(IOBackend):
             while self._requests:
                 rid, _res = uring.io_uring_wait_cqe(self._ring)
                 uring.io_uring_cqe_seen(self._ring)
-                self._requests.pop(rid, None)
+                req = self._requests.pop(rid, None)
+                if req is not None:
+                    uring.release(req.keepalive)
         uring.io_uring_queue_exit(self._ring)
         os.close(self._efd)
 

@@ -86,6 +86,18 @@ def io_uring_prep_write(sqe: Any, fd: int, buf: Buffer, offset: int) -> Any:
     return ptr
 
 
+def release(keepalive: Any) -> None:
+    """Give back now what a request kept for the kernel (the pointer that
+    `io_uring_prep_write`/`io_uring_prep_read` return: a buffer export of the caller's
+    memory), once the kernel is done with it, rather than when its last reference goes.
+    Another thread may hold a reference for a moment (``gc.get_objects()`` in a training
+    loop hunting leaks): the export then outlived the request, and releasing the caller's
+    view raised ``BufferError`` (a save, load or verify failed, untyped). Anything else it
+    may hold is left to its references."""
+    if isinstance(keepalive, ffi.CData):
+        ffi.release(keepalive)
+
+
 def io_uring_prep_read(sqe: Any, fd: int, buf: Buffer, offset: int) -> Any:
     ptr = ffi.from_buffer(buf, require_writable=True)
     lib.io_uring_prep_read(sqe, fd, ptr, len(ptr), offset)
