@@ -314,7 +314,15 @@ async def execute_read(
                 be, loc.path_of(rec), loc.dio, pool, rec, FileRead(rec.name, (), True), dests, progress
             )
         )
-    done = await run_all(jobs)
+    try:
+        done = await run_all(jobs)
+    except BaseException:
+        # Neither this frame nor its readers' (held by the error's traceback, and by the
+        # readers' closure over it) keeps the destination tensors: a caller that goes on
+        # to another checkpoint (a restore falling back) would hold two states at once.
+        jobs.clear()
+        del dests
+        raise
     await asyncio.to_thread(dests.finish)
     pickled = None
     if plan.pickle_file is not None:

@@ -41,6 +41,7 @@ import shutil
 import socket
 import stat
 import time
+import traceback
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -1049,6 +1050,9 @@ class CheckpointManager:
             except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointIOError) as exc:
                 failures.append(f"step {info.step} ({info.tier}): {exc}")
                 log.warning("aiopersist: not restoring %s: %s; trying the next one", info.path, exc)
+                # Kept for its message and type only: its frames held the failed load's
+                # tensors, as much memory again as the next step needs.
+                _clear_frames(exc)
                 failed = exc
             finally:
                 self._reading.discard(key)
@@ -1093,6 +1097,21 @@ class CheckpointManager:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Let go of the locals of every frame in the tracebacks of ``exc`` and of the errors
+    it chains to (the lines stay, for the message)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 _NOT_DAMAGE = (LinkedFileError, NewerFormatError)

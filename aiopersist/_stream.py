@@ -163,7 +163,14 @@ async def run_all(aws: Iterable[Awaitable[T]]) -> list[T]:
     await settle(tasks)
     error = failed.exception()
     assert error is not None
-    raise error
+    # Raised with no local holding it or the tasks: the error's traceback holds this
+    # frame, which would hold the error back (a cycle that keeps a failed load's
+    # destination tensors until the cyclic collector runs).
+    del failed, tasks
+    try:
+        raise error
+    finally:
+        del error
 
 
 class PartHasher:

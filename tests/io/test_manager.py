@@ -741,3 +741,52 @@ async def test_a_step_waiting_for_the_mirror_is_not_deleted_locally_first(
         await mgr.wait()
     assert _names(local) == ["step-5"]
     assert _names(mirror) == [f"step-{s}" for s in range(1, 6)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_restore_falling_back_lets_go_of_the_failed_step_s_tensors_first(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The newest step fails its checksum: before the older step is loaded, every tensor
+    the failed attempt allocated is gone, without the cyclic collector. The kept error's
+    frames held them, so a fallback needed memory for two states at once (on a machine
+    with room for one and a half, NotEnoughMemoryError instead of the older step)."""
+    import gc
+    import weakref
+
+    import aiopersist._load as load_module
+    import aiopersist._manager as manager_module
+
+    run = tmp_path / "ck"
+    async with aiopersist.CheckpointManager(run, backend=backend) as mgr:
+        await _loop(mgr, 2)
+    _flip_middle(run / "step-2" / "state.safetensors")
+
+    allocated: list[weakref.ref[torch.Tensor]] = []
+    allocate = load_module._allocate
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = allocate(*args, **kwargs)
+        allocated.append(weakref.ref(t))
+        return t
+
+    alive_at_attempt: list[int] = []
+    load = manager_module.load
+
+    async def spying(*args: Any, **kwargs: Any) -> Any:
+        alive_at_attempt.append(sum(r() is not None for r in allocated))
+        return await load(*args, **kwargs)
+
+    monkeypatch.setattr(load_module, "_allocate", recording)
+    monkeypatch.setattr(manager_module, "load", spying)
+    gc.collect()
+    gc.disable()
+    try:
+        async with aiopersist.CheckpointManager(run, backend=backend) as mgr:
+            back = await mgr.restore()
+    finally:
+        gc.enable()
+    assert back["step"] == 1
+    assert allocated  # the failed attempt did allocate its tensors
+    assert alive_at_attempt == [0, 0], alive_at_attempt
