@@ -237,3 +237,13 @@ def deep_tree(root: Path, depth: int = DEEP_TREE_DEPTH) -> None:
             os.close(above)
     finally:
         os.close(fd)
+
+
+def flip_byte(path: str | os.PathLike[str]) -> None:
+    """One byte in the middle of the file at ``path`` flipped, in place (damage as a
+    disk's bit rot makes it: the size stays, the checksum fails)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))

@@ -18,8 +18,8 @@ from accelerate.utils import ProjectConfiguration
 
 import aiopersist
 from aiopersist.integrations.accelerate import load_state, save_state_blocking
+from tests.conftest import flip_byte
 from tests.e2e.test_accelerate import BACKENDS, _assert_restored, _setup, _state, _step
-from tests.e2e.test_hf_trainer import flip_byte
 
 
 def _three_checkpoints(project: Path, backend: str) -> list[dict[str, torch.Tensor]]:

@@ -11,7 +11,7 @@ import pytest
 
 import aiopersist
 from tests._launch import run
-from tests.conftest import BACKENDS
+from tests.conftest import BACKENDS, flip_byte
 from tests.e2e.test_distributed import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -101,12 +101,7 @@ def test_the_fsdp2_example_resumes_exactly_where_it_stopped(tmp_path: Path) -> N
     assert resumed["loss"] == straight["loss"]
     # Its newest checkpoint damaged: a rerun passes over it (AiopersistReader refuses it
     # on both ranks), resumes from step 10, and replaces step 15 when it reaches it.
-    data = tmp_path / "b" / "step-15" / "__0_0.distcp"
-    with open(data, "r+b") as f:
-        f.seek(data.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(tmp_path / "b" / "step-15" / "__0_0.distcp")
     again = _train_fsdp2(tmp_path / "b", 2, 15)
     assert (again["start"], again["newest"]) == (10, 15)
     assert again["loss"] == straight["loss"]

@@ -19,13 +19,13 @@ transformers = pytest.importorskip("transformers")
 
 import aiopersist  # noqa: E402
 from aiopersist.integrations.transformers import AioPersistCallback  # noqa: E402
+from tests.conftest import flip_byte  # noqa: E402
 from tests.e2e.test_hf_trainer import (  # noqa: E402
     BACKENDS,
     _assert_same_weights,
     _StopAt,
     _trainer,
     _weights,
-    flip_byte,
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -31,6 +31,7 @@ from aiopersist.integrations.transformers import (  # noqa: E402
 )
 from tests._hf_ddp_worker import tiny_gpt2  # noqa: E402
 from tests._launch import popen, run  # noqa: E402
+from tests.conftest import flip_byte  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -929,15 +930,6 @@ def test_kill_9_mid_save_resumes_from_the_previous_complete_checkpoint(tmp_path:
     resumed = _trainer(out, [], max_steps=step + 2, save_strategy="no")
     resumed.train(resume_from_checkpoint=last)
     assert resumed.state.global_step == step + 2
-
-
-def flip_byte(path: Path) -> None:
-    """One byte in the middle of ``path`` flipped, in place (its size and times aside)."""
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def _torchrun(out: Path, mode: str, backend: str) -> list[dict[str, Any]]:

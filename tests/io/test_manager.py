@@ -23,7 +23,7 @@ import torch
 import aiopersist
 from aiopersist._names import LOCK_NAME, TRASH_MARKER
 from tests._launch import popen, run
-from tests.conftest import URING_OK
+from tests.conftest import URING_OK, flip_byte
 
 BACKENDS = [
     "threads",
@@ -380,14 +380,6 @@ async def test_start_puts_back_a_step_moved_aside_by_an_interrupted_overwrite(tm
         await mgr.aclose()
 
 
-def _flip_middle(path: Path) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
 async def _loop(mgr: aiopersist.CheckpointManager, to: int) -> int:
     """The docs' resume loop: restore if there is a step, then save each step up to ``to``;
     the step it started from."""
@@ -414,7 +406,7 @@ async def test_a_run_that_fell_back_past_a_damaged_step_saves_that_step_again(
         assert await _loop(mgr, 3) == 0
     data = run / "step-3" / "state.safetensors"
     if damage == "flipped":
-        _flip_middle(data)
+        flip_byte(data)
     elif damage == "truncated":
         os.truncate(data, data.stat().st_size // 2)
     else:
@@ -761,7 +753,7 @@ async def test_a_restore_falling_back_lets_go_of_the_failed_step_s_tensors_first
     run = tmp_path / "ck"
     async with aiopersist.CheckpointManager(run, backend=backend) as mgr:
         await _loop(mgr, 2)
-    _flip_middle(run / "step-2" / "state.safetensors")
+    flip_byte(run / "step-2" / "state.safetensors")
 
     allocated: list[weakref.ref[torch.Tensor]] = []
     allocate = load_module._allocate
