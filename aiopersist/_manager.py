@@ -795,11 +795,15 @@ class CheckpointManager:
         ``overwrite``: its local copy is damaged (`restore` fell back past it, or it is
         incomplete and proven broken, `StepInfo.damaged`, as retention and ``gc`` judge
         it). ``None``: it is absent, or complete, or cannot be told broken (a newer format,
-        a link): the save refuses as ever. A run that falls back to an older step, or starts
-        afresh, would otherwise fail at that step's save, every time it is run again."""
+        a link, a read that failed), or not wholly there (a directory without its manifest:
+        it may not be the manager's; a disk of the step's not mounted): the save refuses as
+        ever. A run that falls back to an older step, or starts afresh, would otherwise fail
+        at that step's save, every time it is run again. Restore's verdict serves one save."""
+        why = self._unloadable.pop(step, None)
         if not os.path.lexists(paths[0]):
             return None
-        why = self._unloadable.get(step)
+        if not os.path.isfile(os.path.join(paths[0], MANIFEST_NAME)) or not all(map(os.path.isdir, paths)):
+            return None
         if why is not None:
             return why
         complete, _, problem, damaged, _ = _checked_step(paths, step)
@@ -980,7 +984,10 @@ class CheckpointManager:
         except FAILURES as exc:  # a cancellation too: told to the others, then raised
             error = exc
         complete = sorted({s.step for s in found if s.complete}, reverse=True)
-        everywhere = await agree(complete, error)
+        damaged_here = any(s.damaged for s in found)
+        exchanged = await agree((complete, damaged_here), error)
+        everywhere = [steps for steps, _ in exchanged]
+        damaged_somewhere = any(damaged for _, damaged in exchanged)
         common = set(complete).intersection(*map(set, everywhere))
         failures = [f"step {s.step} ({s.tier}): {s.problem}" for s in found if not s.complete]
         for info in found:
@@ -993,7 +1000,7 @@ class CheckpointManager:
         if not common:
             what = "no complete checkpoint" if step is None else f"no complete checkpoint of step {step}"
             where = " on every rank" if coord is not None and any(everywhere) else ""
-            if any(s.damaged for s in found):
+            if damaged_somewhere:  # every rank raises the same
                 # Checkpoints were there and are broken: not a run to start afresh unawares.
                 raise CheckpointCorruptError(
                     f"{what} in {tiers}{where}; damaged:\n  " + "\n  ".join(failures)
@@ -1006,25 +1013,26 @@ class CheckpointManager:
             source = ""
             error = None
             try:
-                result, failed, source = await self._restore_step(
+                result, failed, source, local_damage = await self._restore_step(
                     [s for s in found if s.step == number and s.complete], into, backend, kwargs, failures
                 )
             except FAILURES as exc:  # not about the checkpoint (or cancelled): every rank raises
                 error = exc
-            # Why this rank could not load it, and whether that proves the copy damaged
-            # (a link or a newer format does not: such a step is never replaced unasked).
-            verdict = None if failed is None else (str(failed), not isinstance(failed, _NOT_DAMAGE))
+            # Why this rank could not load it, and what proves its local copy damaged (a
+            # checksum or size that fails; not a link, a newer format or a failed read:
+            # such a step is never replaced unasked).
+            verdict = None if failed is None else (str(failed), local_damage)
             problems = await agree(verdict, error)
             if all(p is None for p in problems):
                 if failures:
                     log.warning("aiopersist: restored step %d from %s", number, source)
                 self.restored_step = number
+                self._unloadable.pop(number, None)
                 return result
             last = failed or last
             said = [p for p in problems if p is not None]
-            local = any(s.tier == "local" for s in found if s.step == number)
-            if local and all(damage for _, damage in said):
-                self._unloadable[number] = said[0][0]
+            if all(damage is not None for _, damage in said):
+                self._unloadable[number] = said[0][1]
             for r, p in enumerate(problems):
                 if p is not None and coord is not None and r != coord.rank:
                     failures.append(f"step {number} on rank {r}: {p[0]}")
@@ -1037,17 +1045,23 @@ class CheckpointManager:
 
     async def _restore_step(
         self, copies: list[StepInfo], into: object, backend: str, kwargs: dict[str, Any], failures: list[str]
-    ) -> tuple[Any, BaseException | None, str]:
+    ) -> tuple[Any, BaseException | None, str, str | None]:
         """Load one step from the first of its ``copies`` (local, then mirror) that loads:
-        (the state, ``None``, its path), or (``None``, the last copy's error, ``""``), each
-        failure added to ``failures``. Errors that are not about the checkpoint are raised."""
+        (the state, ``None``, its path, ``None``), or (``None``, the last copy's error,
+        ``""``, why its local copy is damaged, if that is what stopped it), each failure
+        added to ``failures``. Errors that are not about the checkpoint are raised."""
         failed: BaseException | None = None
+        local_damage: str | None = None
         for info in copies:
             key = _norm(info.path)
             self._reading.add(key)
             try:
-                return await load(self._sources(info), into=into, backend=backend, **kwargs), None, info.path
+                loaded = await load(self._sources(info), into=into, backend=backend, **kwargs)
+                return loaded, None, info.path, None
             except (CheckpointCorruptError, CheckpointNotFoundError, CheckpointIOError) as exc:
+                damage = isinstance(exc, CheckpointCorruptError) and not isinstance(exc, _NOT_DAMAGE)
+                if info.tier == "local" and damage:
+                    local_damage = str(exc)
                 failures.append(f"step {info.step} ({info.tier}): {exc}")
                 log.warning("aiopersist: not restoring %s: %s; trying the next one", info.path, exc)
                 # Kept for its message and type only: its frames held the failed load's
@@ -1056,7 +1070,7 @@ class CheckpointManager:
                 failed = exc
             finally:
                 self._reading.discard(key)
-        return None, failed, ""
+        return None, failed, "", local_damage
 
     # -- the end ------------------------------------------------------------------------
 

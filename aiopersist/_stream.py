@@ -166,7 +166,7 @@ async def run_all(aws: Iterable[Awaitable[T]]) -> list[T]:
     # Raised with no local holding it or the tasks: the error's traceback holds this
     # frame, which would hold the error back (a cycle that keeps a failed load's
     # destination tensors until the cyclic collector runs).
-    del failed, tasks
+    del failed, tasks, t, aws
     try:
         raise error
     finally:

@@ -193,14 +193,31 @@ def checkpoint_problem(path: str, backend: str, distributed: bool) -> str | None
     each node checks (a node may read the checkpoint from a disk of its own) and every
     process gets every verdict, so that all take the same decision."""
     coord = coordinator() if distributed else None
-    mine = None
-    if coord is None or coord.local_rank == 0:
-        mine = _verified(path, backend)
     if coord is None:
-        return mine
+        return _verified(path, backend)
+    mine = None
+    error: Exception | None = None
+    if coord.local_rank == 0:
+        try:
+            mine = _verified(path, backend)
+        except Exception as exc:  # told to the others (who would wait for it), then raised
+            error = exc
+            mine = f"could not be checked: {type(exc).__name__}: {exc}"
     found = coord.all_gather(mine, "checking the checkpoint to resume from")
+    if error is not None:
+        raise error
     problems = [f"process {rank}: {problem}" for rank, problem in enumerate(found) if problem is not None]
     return "; ".join(problems) or None
+
+
+def agreed_checkpoints(paths: list[str], distributed: bool) -> list[str]:
+    """The checkpoints to try, newest first, the same on every process: process 0's list
+    (a process that lists its own disk may see others), so that every process checks the
+    same ones in the same order (`checkpoint_problem` gathers once per checkpoint)."""
+    coord = coordinator() if distributed else None
+    if coord is None:
+        return paths
+    return list(coord.all_gather(paths, "listing the checkpoints to resume from")[0])
 
 
 def _verified(path: str, backend: str) -> str | None:

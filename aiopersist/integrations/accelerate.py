@@ -80,6 +80,7 @@ from .._locate import absolute_path
 from .._names import LEFTOVER_MARKERS, TMP_MARKER, TRASH_MARKER, work_elsewhere, work_place
 from .._save import SafetensorsSave, SaveInfo, TorchSave
 from ._common import (
+    agreed_checkpoints,
     checkpoint_problem,
     delete_checkpoints,
     files_written_by,
@@ -645,7 +646,7 @@ def load_state(
         return
     base = os.path.join(accelerator.project_dir, "checkpoints")
     passed_over: list[str] = []
-    for path in _newest_first(base):
+    for path in agreed_checkpoints(_newest_first(base), distributed):
         problem = checkpoint_problem(path, backend, distributed)
         if problem is None:
             if passed_over:
@@ -679,7 +680,8 @@ def _newest_first(base: str) -> list[str]:
         if ours or not re.search(r"[0-9]", name) or not os.path.isdir(path):
             continue
         found.append((_iteration_of(path), path))
-    return [path for _, path in sorted(found, reverse=True)]
+    # load_state() sorts by number (stably) and takes the last: its choice first.
+    return [path for _, path in reversed(sorted(found, key=lambda f: f[0]))]
 
 
 def _done(path: str) -> SaveHandle:

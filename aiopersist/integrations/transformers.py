@@ -83,6 +83,7 @@ from .._names import TMP_MARKER, TRAINER_STEPS, TRASH_MARKER
 from .._retention import SaveTotalLimit, to_delete
 from .._save import SaveInfo, TorchSave
 from ._common import (
+    agreed_checkpoints,
     checkpoint_problem,
     delete_checkpoints,
     files_written_by,
@@ -324,7 +325,7 @@ class AioPersistCallback(TrainerCallback):
                 )
             return args, kwargs
         folder = str(trainer.args.output_dir)
-        candidates = _stock_checkpoints(folder)
+        candidates = agreed_checkpoints(_stock_checkpoints(folder), trainer.args.world_size > 1)
         passed_over: list[str] = []
         for path in candidates:
             problem = self._agreed_problem(trainer, path)
@@ -867,7 +868,9 @@ def _stock_checkpoints(folder: str) -> list[str]:
         match = _STOCK_CHECKPOINT.search(name)
         if match is not None and os.path.isdir(os.path.join(folder, name)):
             found.append((int(match.group(1)), name))
-    return [os.path.join(folder, name) for _, name in sorted(found, reverse=True)]
+    # Stable: among equal numbers (checkpoint-100, checkpoint-0100) the first listed comes
+    # first, as get_last_checkpoint's max() takes it.
+    return [os.path.join(folder, name) for _, name in sorted(found, key=lambda f: f[0], reverse=True)]
 
 
 def _running_trainer(callback: AioPersistCallback) -> Trainer:

@@ -18,6 +18,7 @@ checkpoint) the same way. Prints one line per checkpoint and a final JSON line.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import aiopersist
 from aiopersist.integrations.dcp import AiopersistReader, AiopersistWriter, FenceStager
 
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -68,20 +70,37 @@ def newest_step(out: str) -> int | None:
     return steps[0] if steps else None
 
 
+def damage(path: str) -> str | None:
+    """Why the checkpoint at ``path`` is damaged (a checksum, a size, a file missing), or
+    ``None``: it checks out, or cannot be told damaged (a newer format, a linked file)."""
+    try:
+        asyncio.run(aiopersist.verify(path))
+    except (aiopersist.LinkedFileError, aiopersist.NewerFormatError):
+        return None
+    except aiopersist.CheckpointCorruptError as exc:
+        return str(exc)
+    return None
+
+
 def resume(out: str, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int) -> int:
     """Load the newest checkpoint that loads (``AiopersistReader`` checks every byte it
     reads, and refuses a damaged checkpoint before the state is changed); the step it is
-    of, 0 when none. DCP raises a load's failure on every rank alike, so all go on to the
-    same older step."""
+    of, 0 when none. DCP raises a load's failure on every rank alike; a checkpoint is passed
+    over only when it is proven damaged (every rank checks it the same way), any other
+    failure (a model of another shape, an interrupt) is raised: this run will overwrite
+    the checkpoints it passes over when it reaches their steps."""
     for step in saved_steps(out):
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd}
+        path = os.path.join(out, f"step-{step}")
         try:
-            path = os.path.join(out, f"step-{step}")
             dcp_load(state, checkpoint_id=path, storage_reader=AiopersistReader())
-        except CheckpointException as exc:  # a BaseException: what each rank's reader raised
+        except CheckpointException:  # a BaseException: what each rank's reader raised
+            why = damage(path)
+            if why is None:
+                raise
             if rank == 0:
-                print(f"step {step}: not loaded, trying an older one: {str(exc)[:500]}", flush=True)
+                print(f"step {step}: damaged, trying an older one: {why[:500]}", flush=True)
             continue
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if rank == 0:
@@ -115,8 +134,8 @@ def main() -> None:
 
     # One writer and stager for the run: a save that fails in DCP's write step leaves its
     # temporary directory, which the same writer's next save removes. overwrite=True: the
-    # run resumed from the newest checkpoint that loads, so a newer one is damaged, and is
-    # replaced when training comes back to its step.
+    # run resumed from the newest checkpoint that loads, so a newer one is proven damaged,
+    # and is replaced when training comes back to its step.
     writer = AiopersistWriter(overwrite=True)
     stager = FenceStager(writer)
     upload = None

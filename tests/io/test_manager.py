@@ -782,3 +782,74 @@ async def test_a_restore_falling_back_lets_go_of_the_failed_step_s_tensors_first
     assert back["step"] == 1
     assert allocated  # the failed attempt did allocate its tensors
     assert alive_at_attempt == [0, 0], alive_at_attempt
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_what_a_save_never_replaces_unasked(tmp_path: Path, backend: str) -> None:
+    """Only what restore proved damaged in the local copy, once: not a step directory
+    without a manifest (a Hugging Face directory the user put there), not a local step of
+    a newer format whose mirror copy is the damaged one, not a step a second time after
+    the replacement (restore's verdict served one save)."""
+    run, mirror = tmp_path / "ck", tmp_path / "mirror"
+    async with aiopersist.CheckpointManager(run, mirror=mirror, backend=backend) as mgr:
+        await _loop(mgr, 3)
+    # A user's directory named like a step, with no manifest.
+    (run / "step-5").mkdir()
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(4)}, str(run / "step-5" / "model.safetensors"))
+    (run / "step-5" / "notes.txt").write_text("mine")
+    # Step 2: newer format locally (not damage), damaged in the mirror.
+    doc = json.loads((run / "step-2" / "aiopersist.json").read_text())
+    doc["version"] = 999
+    (run / "step-2" / "aiopersist.json").write_text(json.dumps(doc))
+    flip_byte(mirror / "step-2" / "state.safetensors")
+    # Step 3: damaged locally and in the mirror.
+    flip_byte(run / "step-3" / "state.safetensors")
+    flip_byte(mirror / "step-3" / "state.safetensors")
+    async with aiopersist.CheckpointManager(run, mirror=mirror, backend=backend) as mgr:
+        assert (await mgr.restore())["step"] == 1
+        for step in (5, 2):
+            with pytest.raises(aiopersist.CheckpointExistsError):
+                await (await mgr.save(step, state_of(step))).done
+        await (await mgr.save(3, state_of(3))).done  # replaces the damaged one
+        with pytest.raises(aiopersist.CheckpointExistsError):
+            await (await mgr.save(3, state_of(4))).done  # but not twice
+    assert sorted(os.listdir(run / "step-5")) == ["model.safetensors", "notes.txt"]
+    assert json.loads((run / "step-2" / "aiopersist.json").read_text())["version"] == 999
+    back = await aiopersist.load(run / "step-3", backend=backend)
+    assert torch.equal(back["w"], state_of(3)["w"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_failed_load_lets_go_of_its_tensors_without_the_collector(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+    import weakref
+
+    import aiopersist._load as load_module
+
+    await aiopersist.save(state_of(1), tmp_path / "ck", backend=backend)
+    flip_byte(tmp_path / "ck" / "state.safetensors")
+    allocated: list[weakref.ref[torch.Tensor]] = []
+    allocate = load_module._allocate
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = allocate(*args, **kwargs)
+        allocated.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(load_module, "_allocate", recording)
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(aiopersist.CheckpointCorruptError):
+            await aiopersist.load(tmp_path / "ck", backend=backend)
+        alive = sum(r() is not None for r in allocated)
+    finally:
+        gc.enable()
+    assert allocated
+    assert alive == 0
