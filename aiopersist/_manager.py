@@ -603,6 +603,11 @@ class CheckpointManager:
         self._unloadable: dict[int, str] = {}
         """Steps whose local copy `restore` found damaged (it fell back past them), with
         why: a save of that step replaces the copy (`_replaceable`)."""
+        self._mirror_damaged: set[int] = set()
+        """Steps whose mirror copy `restore` found damaged."""
+        self._remirror: set[int] = set()
+        """Steps saved again over a damaged local copy whose mirror copy is damaged too: the
+        mirror's copy is replaced at the next catch-up, though complete by its manifest."""
         self._said_broken: set[str] = set()
         """The damaged steps `latest` has warned of (once each)."""
         self._mirroring: set[int] = set()
@@ -760,6 +765,9 @@ class CheckpointManager:
                         "aiopersist: step %d replaces %s, which is damaged: %s", step, paths[0], broken
                     )
                     overwrite = True
+                    if step in self._mirror_damaged:
+                        self._mirror_damaged.discard(step)
+                        self._remirror.add(step)
         except Exception as exc:
             # With several ranks the others are told at the save's first exchange, rather
             # than wait there for this rank until AIOPERSIST_DIST_TIMEOUT: in this save's
@@ -882,7 +890,7 @@ class CheckpointManager:
             # The scans read every step's manifest: in a worker thread.
             local = [s for s in await asyncio.to_thread(scan, self.directories, "local") if s.complete]
             mirrored = await asyncio.to_thread(scan, [self.mirror], "mirror")
-            there = {s.step for s in mirrored if s.complete}
+            there = {s.step for s in mirrored if s.complete} - self._remirror
             # A step name in the mirror that is a link (to a directory, a file, or nothing: a
             # step on a disk not mounted now) or a file is someone else's: never replaced.
             mirror = self.mirror
@@ -913,6 +921,7 @@ class CheckpointManager:
                     src = step_paths(self.directories, step_name(s.step))
                     started = time.monotonic()
                     await asyncio.to_thread(copy_step, src, self.mirror, s.step)
+                    self._remirror.discard(s.step)
                     done += s.nbytes
                     seconds = time.monotonic() - started
                     log.info(
@@ -1062,6 +1071,8 @@ class CheckpointManager:
                 damage = isinstance(exc, CheckpointCorruptError) and not isinstance(exc, _NOT_DAMAGE)
                 if info.tier == "local" and damage:
                     local_damage = str(exc)
+                elif damage:
+                    self._mirror_damaged.add(info.step)
                 failures.append(f"step {info.step} ({info.tier}): {exc}")
                 log.warning("aiopersist: not restoring %s: %s; trying the next one", info.path, exc)
                 # Kept for its message and type only: its frames held the failed load's

@@ -853,3 +853,25 @@ async def test_a_failed_load_lets_go_of_its_tensors_without_the_collector(
         gc.enable()
     assert allocated
     assert alive == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_step_saved_again_over_damage_replaces_the_mirror_s_damaged_copy_too(
+    tmp_path: Path, backend: str
+) -> None:
+    """Both copies of step 2 damaged: restore falls back to step 1; the save of step 2
+    replaces the local copy, and the mirror's copy (complete by its manifest, so the
+    catch-up used to pass it over) is replaced as well."""
+    run, mirror = tmp_path / "ck", tmp_path / "mirror"
+    async with aiopersist.CheckpointManager(run, mirror=mirror, backend=backend) as mgr:
+        await _loop(mgr, 2)
+    flip_byte(run / "step-2" / "state.safetensors")
+    flip_byte(mirror / "step-2" / "state.safetensors")
+    async with aiopersist.CheckpointManager(run, mirror=mirror, backend=backend) as mgr:
+        assert await _loop(mgr, 2) == 1
+        await mgr.wait()
+    for tier in (run, mirror):
+        await aiopersist.verify(tier / "step-2", backend=backend)
+        back = await aiopersist.load(tier / "step-2", backend=backend)
+        assert torch.equal(back["w"], state_of(2)["w"])
