@@ -12,7 +12,6 @@ import datetime
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import torch
@@ -539,9 +538,11 @@ async def scenario(name: str, rank: int, world: int, base: str, backend: str) ->
         dist.destroy_process_group()
         # A group let go of by a worker thread at that moment ends its transport thread a
         # moment later (seen under load): what counts is that none runs on for good.
-        deadline = time.monotonic() + 5
-        while (after := gloo_threads()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # noqa: ASYNC110 - polling threads torch ends, no event to wait on
+        for _ in range(100):  # 5 s at most
+            after = gloo_threads()
+            if not after:
+                break
+            await asyncio.sleep(0.05)
         try:
             stale = f"{saver.group!r} still usable"
         except RuntimeError as exc:
