@@ -735,6 +735,24 @@ async def test_a_step_waiting_for_the_mirror_is_not_deleted_locally_first(
     assert _names(mirror) == [f"step-{s}" for s in range(1, 6)]
 
 
+def _record_allocations(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Weak references to every tensor a load allocates from now on."""
+    import weakref
+
+    import aiopersist._load as load_module
+
+    allocated: list[Any] = []
+    allocate = load_module._allocate
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = allocate(*args, **kwargs)
+        allocated.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(load_module, "_allocate", recording)
+    return allocated
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.asyncio
 async def test_a_restore_falling_back_lets_go_of_the_failed_step_s_tensors_first(
@@ -745,9 +763,7 @@ async def test_a_restore_falling_back_lets_go_of_the_failed_step_s_tensors_first
     frames held them, so a fallback needed memory for two states at once (on a machine
     with room for one and a half, NotEnoughMemoryError instead of the older step)."""
     import gc
-    import weakref
 
-    import aiopersist._load as load_module
     import aiopersist._manager as manager_module
 
     run = tmp_path / "ck"
@@ -755,14 +771,7 @@ async def test_a_restore_falling_back_lets_go_of_the_failed_step_s_tensors_first
         await _loop(mgr, 2)
     flip_byte(run / "step-2" / "state.safetensors")
 
-    allocated: list[weakref.ref[torch.Tensor]] = []
-    allocate = load_module._allocate
-
-    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
-        t = allocate(*args, **kwargs)
-        allocated.append(weakref.ref(t))
-        return t
-
+    allocated = _record_allocations(monkeypatch)
     alive_at_attempt: list[int] = []
     load = manager_module.load
 
@@ -770,7 +779,6 @@ async def test_a_restore_falling_back_lets_go_of_the_failed_step_s_tensors_first
         alive_at_attempt.append(sum(r() is not None for r in allocated))
         return await load(*args, **kwargs)
 
-    monkeypatch.setattr(load_module, "_allocate", recording)
     monkeypatch.setattr(manager_module, "load", spying)
     gc.collect()
     gc.disable()
@@ -828,21 +836,10 @@ async def test_a_failed_load_lets_go_of_its_tensors_without_the_collector(
     tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import gc
-    import weakref
-
-    import aiopersist._load as load_module
 
     await aiopersist.save(state_of(1), tmp_path / "ck", backend=backend)
     flip_byte(tmp_path / "ck" / "state.safetensors")
-    allocated: list[weakref.ref[torch.Tensor]] = []
-    allocate = load_module._allocate
-
-    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
-        t = allocate(*args, **kwargs)
-        allocated.append(weakref.ref(t))
-        return t
-
-    monkeypatch.setattr(load_module, "_allocate", recording)
+    allocated = _record_allocations(monkeypatch)
     gc.collect()
     gc.disable()
     try:
