@@ -83,6 +83,13 @@ def space_check_enabled() -> bool:
     return os.environ.get("AIOPERSIST_SPACE_CHECK", "1").strip().lower() not in {"0", "false", "no", "off"}
 
 
+def preallocate_enabled() -> bool:
+    """``AIOPERSIST_PREALLOCATE=0`` lets a direct write of a file whose size is known
+    allocate its blocks as it goes, instead of all at its start (`preallocate`): on ext4
+    the requests then run one at a time."""
+    return os.environ.get("AIOPERSIST_PREALLOCATE", "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
 def snapshot_bytes() -> int:
     """Most host memory ``Checkpointer(mode="snapshot")`` may copy a state into."""
     return _env_int("AIOPERSIST_SNAPSHOT_BYTES", 8 << 30)

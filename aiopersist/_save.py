@@ -342,7 +342,8 @@ async def write_file(
     it is staged): their bytes are copied into staging in worker threads, batched per
     buffer, while the file is being written."""
     hasher = hasher if hasher is not None else new_hasher()
-    async with FileWriter(be, path, dio, pool, hasher=hasher) as writer:
+    size = sum(p.nbytes if isinstance(p, torch.Tensor) else memoryview(p).nbytes for p in parts)
+    async with FileWriter(be, path, dio, pool, hasher=hasher, size=size) as writer:
         await writer.write_stable(parts)
         await writer.copied()
         if written is not None:

@@ -22,9 +22,10 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from . import _knobs
 from ._backends import IOBackend
 from ._backends._base import Buffer, to_thread_to_the_end
-from ._direct import AlignedBuffer, DirectIOInfo, copy_bytes, keep_if_regular
+from ._direct import AlignedBuffer, DirectIOInfo, copy_bytes, keep_if_regular, preallocate
 from ._exceptions import CheckpointCorruptError, CheckpointIOError, from_os_error
 from ._staging import StagingPool
 
@@ -222,6 +223,12 @@ class FileWriter:
     copied and written. Sources written with ``stable=True`` are copied when their buffer
     is launched (or at `copied`); others before `write` returns.
 
+    ``size``, the file's final length when the caller knows it: with direct I/O, a file
+    of more than one request has its blocks allocated when it is opened (`preallocate`,
+    ``AIOPERSIST_PREALLOCATE``), so that its requests run side by side on ext4; a full
+    disk then fails the open, before any request. A wrong ``size`` costs nothing but
+    that: the file ends with the bytes written.
+
     Use ``await open()``, ``await write(...)`` any number of times, then ``await finish()``
     (fsync included) or ``await abort()``. As an async context manager it finishes on
     success and aborts on error.
@@ -235,6 +242,7 @@ class FileWriter:
         pool: StagingPool,
         *,
         hasher: Hasher | None = None,
+        size: int | None = None,
     ):
         if dio.direct and pool.buffer_bytes % dio.offset_align:
             raise ValueError(
@@ -256,11 +264,30 @@ class FileWriter:
         self._copies: list[asyncio.Future[None]] = []  # one per launched buffer: its copies ran
         self._hashed: asyncio.Future[None] | None = None  # the checksum chain's last link
         self.bytes_written = 0
+        self._size = size
+        self._allocated = 0  # bytes preallocated at open (the file's length until finish)
 
     async def open(self) -> FileWriter:
-        """Create (or truncate) the file; ``O_DIRECT`` when the directory takes it."""
+        """Create (or truncate) the file; ``O_DIRECT`` when the directory takes it. With
+        ``size`` (the file's final length, when the caller knows it) and direct I/O, its
+        blocks are allocated first (`preallocate`) when it spans several requests."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._dio.open_flags
         self._fd = await self._backend.open(self.path, flags, 0o644)
+        size = self._size
+        if (
+            self._dio.direct
+            and size is not None
+            and size > self._pool.buffer_bytes
+            and _knobs.preallocate_enabled()
+        ):
+            length = self._dio.align_up(size)
+            try:
+                if await to_thread_to_the_end(preallocate, self._fd, length, self.path):
+                    self._allocated = length
+            except BaseException:
+                fd, self._fd = self._fd, None
+                await self._backend.close(fd)
+                raise
         return self
 
     async def __aenter__(self) -> FileWriter:
@@ -503,7 +530,7 @@ class FileWriter:
                 self._buf = None
             await settle(self._pending)
             self._raise_failed()
-            if padded:
+            if padded or self._allocated > self.bytes_written:
                 try:  # a metadata update that can wait on the journal: off the loop
                     await to_thread_to_the_end(os.ftruncate, self._fd, self.bytes_written)
                 except OSError as exc:

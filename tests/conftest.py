@@ -106,11 +106,32 @@ def bind_mounted(source: Path, where: Path) -> Iterator[Path]:
         yield where
 
 
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB file system that fills up fast."""
-    with mounted_tmpfs(tmp_path / "small", "size=4m", "mode=0755") as p:
-        yield p
+@contextlib.contextmanager
+def mounted_image(where: Path, size: int, fstype: str = "ext4") -> Iterator[Path]:
+    """A real file system of ``size`` bytes made by ``mkfs.<fstype>`` in an image file and
+    loop-mounted (root only): unlike tmpfs, ext4 and ext2 take ``O_DIRECT``, so the
+    direct-I/O write path meets their limits (ext2 cannot ``fallocate``)."""
+    image = where.with_name(where.name + ".img")
+    with open(image, "wb") as f:
+        f.truncate(size)
+    proc = subprocess.run([f"mkfs.{fstype}", "-q", "-F", str(image)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot make an {fstype} file system here: {proc.stderr.strip()}")
+    with _mounted(["-o", "loop", str(image)], where, f"a loop-mounted {fstype} image"):
+        (where / "lost+found").rmdir()  # an empty file system, as a tmpfs one
+        yield where
+
+
+@pytest.fixture(params=["tmpfs", "ext4"])
+def small_fs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB file system that fills up fast: tmpfs (buffered writes: it does not take
+    ``O_DIRECT``) and ext4 (direct writes, about 2.4 MiB free)."""
+    if request.param == "tmpfs":
+        with mounted_tmpfs(tmp_path / "small", "size=4m", "mode=0755") as p:
+            yield p
+    else:
+        with mounted_image(tmp_path / "small", 4 << 20) as p:
+            yield p
 
 
 @pytest.fixture(params=["checked", "unchecked"])

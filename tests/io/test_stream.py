@@ -15,7 +15,7 @@ import torch
 
 import aiopersist
 from aiopersist._stream import FileWriter, read_segments, run_all
-from tests.conftest import Gate
+from tests.conftest import Gate, mounted_image
 
 pytestmark = pytest.mark.asyncio
 
@@ -208,6 +208,94 @@ async def test_writer_on_full_file_system(backend: aiopersist.IOBackend, small_f
             await w.write(_bytes(8 << 20))
     assert pool.in_use == 0
     pool.close()
+
+
+def _allocated(path: Path) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+@pytest.mark.parametrize("hint", ["exact", "larger", "smaller"])
+async def test_a_file_of_known_size_is_allocated_before_its_first_write(
+    backend: aiopersist.IOBackend, tmp_path: Path, hint: str
+) -> None:
+    """Its size known, a direct file's blocks are allocated when it is opened: its requests
+    write into allocated blocks (on ext4 they then run side by side, not one at a time).
+    It ends with exactly the bytes written, whatever the size it was given."""
+    dio = aiopersist.probe_directory(tmp_path)
+    if not dio.direct:
+        pytest.skip(f"{tmp_path} does not take O_DIRECT")
+    size = 3 * CHUNK + 12345
+    given = {"exact": size, "larger": size + 5 * CHUNK, "smaller": 2 * CHUNK}[hint]
+    pool = aiopersist.StagingPool(CHUNK, 3)
+    data = _bytes(size)
+    path = tmp_path / "f.bin"
+    async with FileWriter(backend, path, dio, pool, size=given) as w:
+        assert path.stat().st_size == dio.align_up(given)
+        assert _allocated(path) >= given
+        await w.write(data)
+    assert path.stat().st_size == size
+    assert path.read_bytes() == data.numpy().tobytes()
+    assert pool.in_use == 0
+    pool.close()
+
+
+@pytest.mark.parametrize("case", ["switched off", "one request", "buffered"])
+async def test_no_preallocation_where_it_does_not_serve(
+    backend: aiopersist.IOBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """``AIOPERSIST_PREALLOCATE=0``; a file that one request writes; a buffered file (the
+    page cache allocates at writeback): the file grows as it is written."""
+    if case == "switched off":
+        monkeypatch.setenv("AIOPERSIST_PREALLOCATE", "0")
+    if case == "buffered":
+        monkeypatch.setenv("AIOPERSIST_DIRECT_IO", "0")
+    dio = aiopersist.probe_directory(tmp_path)
+    size = CHUNK if case == "one request" else 3 * CHUNK
+    pool = aiopersist.StagingPool(CHUNK, 3)
+    path = tmp_path / "f.bin"
+    async with FileWriter(backend, path, dio, pool, size=size) as w:
+        assert path.stat().st_size == 0
+        await w.write(_bytes(size))
+    assert path.read_bytes() == _bytes(size).numpy().tobytes()
+    pool.close()
+
+
+@pytest.mark.root
+async def test_a_file_larger_than_the_free_space_fails_at_open_having_written_nothing(
+    backend: aiopersist.IOBackend, tmp_path: Path
+) -> None:
+    """A real ext4 file system with 2.4 MiB free and a file of 8 MiB: `DiskFullError` from
+    the allocation, before any request, and no descriptor or buffer left behind."""
+    with mounted_image(tmp_path / "fs", 4 << 20) as fs:
+        dio = aiopersist.probe_directory(fs)
+        assert dio.direct
+        pool = aiopersist.StagingPool(CHUNK, 3)
+        fds = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(aiopersist.DiskFullError) as info:
+            async with FileWriter(backend, fs / "big", dio, pool, size=8 << 20) as w:
+                await w.write(_bytes(8 << 20))
+        assert info.value.call == "fallocate"
+        assert pool.acquisitions == 0  # not one request made
+        assert len(os.listdir("/proc/self/fd")) == fds
+        pool.close()
+
+
+@pytest.mark.root
+async def test_a_file_system_that_cannot_preallocate_is_written_as_it_goes(
+    backend: aiopersist.IOBackend, tmp_path: Path
+) -> None:
+    """ext2 takes O_DIRECT but not ``fallocate`` (no extents): the writer goes on without
+    it, and the file is whole."""
+    with mounted_image(tmp_path / "fs", 16 << 20, "ext2") as fs:
+        dio = aiopersist.probe_directory(fs)
+        assert dio.direct
+        pool = aiopersist.StagingPool(CHUNK, 3)
+        data = _bytes(3 * CHUNK + 7)
+        async with FileWriter(backend, fs / "f", dio, pool, size=data.numel()) as w:
+            assert (fs / "f").stat().st_size == 0
+            await w.write(data)
+        assert (fs / "f").read_bytes() == data.numpy().tobytes()
+        pool.close()
 
 
 @pytest.mark.parametrize(("shift", "mem_shift"), [(0, 0), (1, 1), (4096, 0), (0, 1)])
