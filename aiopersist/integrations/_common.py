@@ -12,6 +12,7 @@ import copy
 import io
 import logging
 import os
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -191,13 +192,17 @@ def checkpoint_problem(path: str, backend: str, distributed: bool) -> str | None
 
     ``distributed``: every process calls this, in the same order; the first process of
     each node checks (a node may read the checkpoint from a disk of its own) and every
-    process gets every verdict, so that all take the same decision."""
+    process gets every verdict, so that all take the same decision. The nodes are told
+    apart by the processes themselves (`node_identity`), not by ``LOCAL_RANK``: a launcher
+    that does not set it (``srun``, ``mpirun``) left every node but process 0's
+    unchecked."""
     coord = coordinator() if distributed else None
     if coord is None:
         return _verified(path, backend)
+    nodes = coord.all_gather(node_identity(), "finding the first process of each node")
     mine = None
     error: Exception | None = None
-    if coord.local_rank == 0:
+    if nodes.index(nodes[coord.rank]) == coord.rank:
         try:
             mine = _verified(path, backend)
         except Exception as exc:  # told to the others (who would wait for it), then raised
@@ -208,6 +213,18 @@ def checkpoint_problem(path: str, backend: str, distributed: bool) -> str | None
         raise error
     problems = [f"process {rank}: {problem}" for rank, problem in enumerate(found) if problem is not None]
     return "; ".join(problems) or None
+
+
+def node_identity() -> tuple[str, str]:
+    """The machine this process runs on, as its disks go: its host name and its kernel's
+    boot id (containers of one host share the boot id and differ by name; hosts given one
+    name differ by boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
 
 
 def agreed_checkpoints(paths: list[str], distributed: bool) -> list[str]:
