@@ -174,6 +174,15 @@ def exit_wait_left() -> float:
         return max(0.0, _exit_wait_deadline - time.monotonic())
 
 
+def exit_waited() -> float:
+    """Seconds since the exit's wait for aiopersist's work began (`exit_wait_left`'s first
+    call): `EXIT_WAIT_SECONDS`, or more where the gate's floor added to it."""
+    with _exit_wait_lock:
+        if _exit_wait_deadline is None:
+            return 0.0
+        return time.monotonic() - (_exit_wait_deadline - EXIT_WAIT_SECONDS)
+
+
 kept: list[Any] = []
 """What a refused thread could not let go of safely (see `_ExitGate.drop`): the works and
 process group of a gather the exit gave up on. Never freed, not even when the interpreter
@@ -193,9 +202,9 @@ def close_exit_gate() -> None:
     if not exit_gate.close(max(exit_wait_left(), EXIT_GATE_FLOOR_SECONDS)) and not _exit_wait_warned:
         _exit_wait_warned = True
         log.warning(
-            "aiopersist: exiting while one of its threads is still at work after %.0f s (a rank that "
+            "aiopersist: exiting while one of its threads is still at work after %.1f s (a rank that "
             "does not come, a store that does not answer, a write to a hung disk)",
-            EXIT_WAIT_SECONDS,
+            exit_waited(),
         )
 
 
