@@ -267,15 +267,18 @@ def preallocate(fd: int, length: int, path: str) -> bool:
 
     Returns ``False`` where the file system or the C library cannot (the writes then
     allocate as they go); raises `CheckpointIOError` (`DiskFullError` when there is no
-    room) for a real failure."""
+    room) for a real failure, after which the file may hold part of the allocation (the
+    caller truncates it)."""
     if _libc_fallocate is None or length <= 0:
         return False
-    if _libc_fallocate(fd, 0, 0, length) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in _NO_FALLOCATE:
-        return False
-    raise io_error(err, "fallocate", path)
+    while _libc_fallocate(fd, 0, 0, length) != 0:
+        err = ctypes.get_errno()
+        if err == errno.EINTR:  # a signal (a FUSE mount passes them on): again, as PEP 475 does
+            continue
+        if err in _NO_FALLOCATE:
+            return False
+        raise io_error(err, "fallocate", path)
+    return True
 
 
 def _address(m: mmap.mmap) -> int:

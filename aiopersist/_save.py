@@ -334,15 +334,18 @@ async def write_file(
     written: Callable[[], None] | None = None,
     hasher: Any = None,
     name: str | None = None,
+    size: int | None = None,
 ) -> FileRecord:
     """Write ``parts`` as a new file, checksummed (by ``hasher`` when given), fsynced; its
-    record is named ``name`` (by default the file's own name).
+    record is named ``name`` (by default the file's own name). ``size``: the parts' bytes
+    in all, when the caller knows them (else summed here: a few parts).
 
     The parts must stay unchanged until ``written`` is called (the tensors of a save until
     it is staged): their bytes are copied into staging in worker threads, batched per
     buffer, while the file is being written."""
     hasher = hasher if hasher is not None else new_hasher()
-    size = sum(p.nbytes if isinstance(p, torch.Tensor) else memoryview(p).nbytes for p in parts)
+    if size is None:
+        size = sum(p.nbytes if isinstance(p, torch.Tensor) else memoryview(p).nbytes for p in parts)
     async with FileWriter(be, path, dio, pool, hasher=hasher, size=size) as writer:
         await writer.write_stable(parts)
         await writer.copied()
@@ -795,6 +798,7 @@ async def _write_mine(
             [layout.header, *(data(p) for p in f.parts)],
             one_written,
             hasher=hasher,
+            size=layout.file_bytes,
         )
         record = FileRecord(f.name, rec.nbytes, rec.checksum, layout.data_offset, f.directory)
         return _Written(f, record, tuple(parts.part_digests()) if parts is not None else ())

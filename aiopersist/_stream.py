@@ -266,6 +266,7 @@ class FileWriter:
         self.bytes_written = 0
         self._size = size
         self._allocated = 0  # bytes preallocated at open (the file's length until finish)
+        self._written_end = 0  # the end of the requests that completed, furthest first
 
     async def open(self) -> FileWriter:
         """Create (or truncate) the file; ``O_DIRECT`` when the directory takes it. With
@@ -285,7 +286,11 @@ class FileWriter:
                 if await to_thread_to_the_end(preallocate, self._fd, length, self.path):
                     self._allocated = length
             except BaseException:
+                # ext4 keeps what a failed fallocate allocated: given back, not left to
+                # fill the disk until the file is removed.
                 fd, self._fd = self._fd, None
+                with contextlib.suppress(OSError):
+                    await to_thread_to_the_end(os.ftruncate, fd, 0)
                 await self._backend.close(fd)
                 raise
         return self
@@ -491,9 +496,11 @@ class FileWriter:
                     _settle_future(hashed, None)
                 piece = buf.view[:length]
                 try:
-                    return await self._backend.write(fd, piece, offset)
+                    n = await self._backend.write(fd, piece, offset)
                 finally:
                     piece.release()  # so that a stored traceback cannot pin the mapping
+                self._written_end = max(self._written_end, offset + n)
+                return n
             finally:
                 _settle_future(copies, asyncio.CancelledError())
                 if hashed is not None:
@@ -544,7 +551,8 @@ class FileWriter:
         return self.bytes_written
 
     async def abort(self) -> None:
-        """Stop: wait for requests in flight (their buffers), close the file. Keeps the file."""
+        """Stop: wait for requests in flight (their buffers), close the file. Keeps the file,
+        as long as the requests that completed wrote it (a preallocated file is cut back)."""
         self._jobs = []
         if self._buf is not None:
             self._pool.release(self._buf)
@@ -555,6 +563,12 @@ class FileWriter:
         finally:
             if self._fd is not None:
                 fd, self._fd = self._fd, None
+                if self._allocated:
+                    # Preallocated, the file would keep its full length, zeros where no
+                    # request wrote: cut back to what was written, as a file that grew.
+                    end = min(self._written_end, self.bytes_written)
+                    with contextlib.suppress(OSError):
+                        await to_thread_to_the_end(os.ftruncate, fd, end)
                 await self._backend.close(fd)
 
 

@@ -899,6 +899,7 @@ async def _write_rank_file(
                 [p for ps in pieces for p in ps],
                 staged,
                 hasher=hasher,
+                size=sum(lengths),
             )
     finally:
         pool.close()

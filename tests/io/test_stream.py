@@ -277,7 +277,64 @@ async def test_a_file_larger_than_the_free_space_fails_at_open_having_written_no
         assert info.value.call == "fallocate"
         assert pool.acquisitions == 0  # not one request made
         assert len(os.listdir("/proc/self/fd")) == fds
+        # What the failed allocation took (ext4 keeps it) is given back, not left to fill
+        # the disk until the file is removed.
+        assert (fs / "big").stat().st_size == 0
+        assert _allocated(fs / "big") == 0
         pool.close()
+
+
+async def test_an_aborted_preallocated_file_is_cut_back_to_what_was_written(
+    backend: aiopersist.IOBackend, tmp_path: Path
+) -> None:
+    """`abort` keeps the file as far as its completed requests wrote it, as a file that
+    grew: not at its preallocated length with zeros after (a reader would take it for
+    whole)."""
+    dio = aiopersist.probe_directory(tmp_path)
+    if not dio.direct:
+        pytest.skip(f"{tmp_path} does not take O_DIRECT")
+    pool = aiopersist.StagingPool(CHUNK, 3)
+    data = _bytes(2 * CHUNK)
+    path = tmp_path / "f.bin"
+    with pytest.raises(RuntimeError, match="stop"):
+        async with FileWriter(backend, path, dio, pool, size=8 * CHUNK) as w:
+            await w.write(data)  # two full buffers: two requests
+            raise RuntimeError("stop")
+    assert path.stat().st_size == 2 * CHUNK
+    assert path.read_bytes() == data.numpy().tobytes()
+    assert pool.in_use == 0
+    pool.close()
+
+
+async def test_fallocate_interrupted_by_a_signal_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """EINTR (a FUSE mount passes signals on) is not a failure: the call is made again, as
+    Python retries its own system calls. The C call is replaced to make it fail once."""
+    import ctypes
+    import errno
+
+    from aiopersist import _direct
+
+    real = _direct._libc_fallocate
+    assert real is not None
+    calls = []
+
+    def interrupted_once(fd: int, mode: int, offset: int, length: int) -> int:
+        calls.append(length)
+        if len(calls) == 1:
+            ctypes.set_errno(errno.EINTR)
+            return -1
+        return real(fd, mode, offset, length)
+
+    monkeypatch.setattr(_direct, "_libc_fallocate", interrupted_once)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert _direct.preallocate(fd, 1 << 20, "f")
+        assert calls == [1 << 20, 1 << 20]
+        assert os.fstat(fd).st_size == 1 << 20
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.root
