@@ -616,6 +616,11 @@ class CheckpointManager:
         retention of a later step leaves them (the mirror's copy claims them only once it
         starts, which may be after that retention)."""
         self._tasks: set[asyncio.Future[None]] = set()
+        self._pass_steps: list[int] = []
+        """Steps committed since the running pass of retention and mirroring began: the
+        next pass follows them all (`_pass_after`)."""
+        self._pass_next: asyncio.Future[None] | None = None
+        self._pass_running = False
         self._mirror_lock: asyncio.Lock | None = None
         self._closed = False
         self._locks: list[DirectoryLock] = []
@@ -829,29 +834,18 @@ class CheckpointManager:
             if self.mirror is not None and info is not None:
                 self._unmirrored.add(managed.step)  # before the writing set lets go of it
             self._writing.discard(managed.step)
-            try:
-                if info is None or not _is_rank0():
-                    _resolve(mirrored, None)
-                    return
-                await asyncio.to_thread(self._retain, self.directories, self.retention, "local", managed.step)
-                if self.mirror is None:
-                    _resolve(mirrored, None)
-                    return
-                try:
-                    await self._sync_mirror()
-                except Exception as exc:
-                    log.warning(
-                        "aiopersist: mirroring step %d to %s failed (retried after the next save): %s",
-                        managed.step,
-                        self.mirror,
-                        exc,
-                    )
-                    _fail_quietly(mirrored, exc)
-                    return
-            finally:
+            if info is None or not _is_rank0():
                 self._unmirrored.discard(managed.step)
-            # Steps that waited to be mirrored were spared by the local retention above.
-            await asyncio.to_thread(self._retain, self.directories, self.retention, "local", managed.step)
+                _resolve(mirrored, None)
+                return
+            try:
+                await self._pass_after(managed.step)
+            except Exception as exc:
+                _fail_quietly(mirrored, exc)  # the mirror's failure (said in the log by the pass)
+                return
+            if self.mirror is None:
+                _resolve(mirrored, None)
+                return
             path = os.path.join(self.mirror, step_name(managed.step))
             # Absent: the mirror's retention dropped it (or a link there kept it from being copied).
             there = await asyncio.to_thread(_is_real_directory, path)
@@ -860,11 +854,79 @@ class CheckpointManager:
             _fail_quietly(mirrored, exc)
             raise
 
+    async def _pass_after(self, step: int) -> None:
+        """Wait for a pass of retention and mirroring that starts after ``step``'s commit;
+        raises the mirroring's failure. One pass runs at a time, and the commits that come
+        while it runs share the next: each pass scans every step of both tiers, so a pass
+        per commit fell behind saves made faster than it (400 saves 20 ms apart, 400 steps
+        kept: the close waited 62 s for the passes left)."""
+        self._pass_steps.append(step)
+        if self._pass_next is None:
+            self._pass_next = asyncio.get_running_loop().create_future()
+        outcome = self._pass_next
+        if not self._pass_running:
+            self._start_pass()
+        await asyncio.shield(outcome)
+
+    def _start_pass(self) -> None:
+        steps, self._pass_steps = self._pass_steps, []
+        outcome, self._pass_next = self._pass_next, None
+        assert outcome is not None
+        self._pass_running = True
+        task = asyncio.ensure_future(self._one_pass(steps, outcome))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _one_pass(self, steps: list[int], outcome: asyncio.Future[None]) -> None:
+        """Retention of the local steps, the mirror's catch-up, then the local retention
+        again (it spared the steps that waited to be mirrored). ``steps``: the commits this
+        pass follows, in order. The last is spared, as a pass per commit spared its own
+        (a save is never deleted by its own retention); the earlier ones are not, as the
+        later commits' passes would not have spared them."""
+        cancelled = False
+        last = steps[-1:]
+        try:
+            try:
+                await asyncio.to_thread(self._retain, self.directories, self.retention, "local", last)
+                if self.mirror is not None:
+                    try:
+                        await self._sync_mirror()
+                    except Exception as exc:
+                        log.warning(
+                            "aiopersist: mirroring step%s %s to %s failed (retried after the next save): %s",
+                            "s" if len(steps) > 1 else "",
+                            ", ".join(map(str, steps)),
+                            self.mirror,
+                            exc,
+                        )
+                        _fail_quietly(outcome, exc)
+                        return
+                    finally:
+                        self._unmirrored.difference_update(steps)
+                    await asyncio.to_thread(self._retain, self.directories, self.retention, "local", last)
+                _resolve(outcome, None)
+            except BaseException as exc:
+                cancelled = isinstance(exc, asyncio.CancelledError)
+                _fail_quietly(outcome, exc)
+                raise
+        finally:
+            self._unmirrored.difference_update(steps)
+            self._pass_running = False
+            if self._pass_steps:
+                if cancelled:  # the manager is being torn down: the waiting commits end too
+                    nxt, self._pass_next = self._pass_next, None
+                    self._unmirrored.difference_update(self._pass_steps)
+                    self._pass_steps = []
+                    if nxt is not None:
+                        _fail_quietly(nxt, asyncio.CancelledError())
+                else:
+                    self._start_pass()
+
     def _retain(
-        self, directories: Sequence[str], policy: Retention, tier: str, committed: int | None = None
+        self, directories: Sequence[str], policy: Retention, tier: str, committed: Sequence[int] = ()
     ) -> None:
         """Apply ``policy`` to the complete steps in ``directories``; never to one being
-        written, mirrored or read, nor to ``committed`` (the step whose commit this pass
+        written, mirrored or read, nor to ``committed`` (the steps whose commits this pass
         follows: a save is never deleted by its own retention, even below a higher step)."""
         complete = [s for s in scan(directories, tier) if s.complete]
         protected = (
@@ -872,7 +934,7 @@ class CheckpointManager:
             | set(self._mirroring)
             | set(self._unmirrored)
             | {s.step for s in complete if os.path.normpath(s.path) in self._reading}
-            | ({committed} if committed is not None else set())
+            | set(committed)
         )
         names = {s.step: os.path.basename(s.path) for s in complete}
         for step in to_delete([s.step for s in complete], policy, protected):

@@ -735,6 +735,51 @@ async def test_a_step_waiting_for_the_mirror_is_not_deleted_locally_first(
     assert _names(mirror) == [f"step-{s}" for s in range(1, 6)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_commits_during_a_pass_share_the_next_one(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each pass of retention and mirroring scans every step of both tiers: the commits
+    that come while one runs share the next, instead of one pass each falling further
+    behind (400 saves 20 ms apart: the close waited 62 s). Every step is still mirrored,
+    every handle told, and the local retention ends as a pass per commit left it."""
+    from aiopersist import _manager
+
+    real = _manager.copy_step
+
+    def slow_copy(*args: Any) -> Any:
+        time.sleep(0.3)  # a slow shared file system
+        return real(*args)
+
+    monkeypatch.setattr(_manager, "copy_step", slow_copy)
+    passes = 0
+    sync = _manager.CheckpointManager._sync_mirror
+
+    async def counted(self: Any) -> None:
+        nonlocal passes
+        passes += 1
+        await sync(self)
+
+    monkeypatch.setattr(_manager.CheckpointManager, "_sync_mirror", counted)
+    local, mirror = tmp_path / "local", tmp_path / "shared"
+    async with aiopersist.CheckpointManager(
+        local, keep_last=2, mirror=mirror, mirror_keep_last=5, backend=backend
+    ) as mgr:
+        handles = [await mgr.save(step, state_of(step)) for step in range(1, 9)]
+        for h in handles:
+            await h.done
+        await mgr.wait()
+    assert passes <= 3, passes  # one per commit before
+    told = [await h.mirrored for h in handles]
+    # Steps 1-3: mirrored, or dropped by the mirror's retention (which depends on the pass
+    # their commit fell in); the five newest are there.
+    assert all(p in (None, str(mirror / f"step-{s}")) for s, p in zip(range(1, 4), told, strict=False)), told
+    assert told[3:] == [str(mirror / f"step-{s}") for s in range(4, 9)], told
+    assert _names(local) == ["step-7", "step-8"]
+    assert _names(mirror) == [f"step-{s}" for s in range(4, 9)]
+
+
 def _record_allocations(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Weak references to every tensor a load allocates from now on."""
     import weakref
