@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import pickle
 from collections.abc import Callable, Mapping, Sequence
@@ -295,7 +296,16 @@ async def execute_read(
     async def one(read: FileRead) -> None:
         async with bound:
             if manifest is None:  # a plain safetensors file: named by its path
-                await _read_spans(be, read.file, loc.dio, pool, read, dests, progress)
+                rec = loc.records.get(read.file)
+                if rec is None:
+                    await _read_spans(be, read.file, loc.dio, pool, read, dests, progress)
+                    return
+                # A file of an aiopersist checkpoint: read whole, against its checksum there.
+                spans = tuple(sorted(read.spans, key=lambda s: (s.begin, s.end)))
+                head = spans[0].begin if spans else rec.nbytes
+                whole = FileRead(read.file, spans, whole=True)
+                rec = dataclasses.replace(rec, data_offset=head)
+                await _read_whole(be, read.file, loc.dio, pool, rec, whole, dests, progress)
                 return
             rec = manifest.files[read.file]
             path = loc.path_of(rec)
@@ -631,10 +641,15 @@ class VerifyReport:
 
     path: str
     kind: str
-    """``aiopersist`` (manifest and checksums), ``hf-dir`` or ``safetensors`` (headers only)."""
+    """``aiopersist`` (manifest and checksums), ``hf-dir`` or ``safetensors`` (headers only,
+    but see `checksummed`)."""
     files: tuple[str, ...]
     bytes_checked: int
-    """Bytes read and checked: whole files for ``aiopersist``, headers otherwise."""
+    """Bytes read and checked: whole files for ``aiopersist``, headers otherwise (whole
+    files for those in `checksummed`)."""
+    checksummed: tuple[str, ...] = ()
+    """``hf-dir`` and ``safetensors``: the files an aiopersist checkpoint around them
+    lists, checked against the checksums of its manifest."""
 
 
 async def _hash_file(
@@ -719,10 +734,19 @@ async def verify(
         async with open_backend(backend) as be:
             if loc.manifest is None:
                 checked = 0
+                summed: list[str] = []
                 for f in loc.files:
-                    checked += (await _read_header(be, f, loc.sizes[f])).data_offset
+                    head = (await _read_header(be, f, loc.sizes[f])).data_offset
+                    rec = loc.records.get(f)
+                    if rec is None:
+                        checked += head
+                        continue
+                    # A file of an aiopersist checkpoint: its checksum there, too.
+                    _check_checksum(f, rec, await _hash_file(be, f, loc.dio, pool, rec.nbytes))
+                    checked += rec.nbytes
+                    summed.append(f)
                 where = loc.files[0] if loc.kind == "safetensors" else loc.directory
-                return VerifyReport(where, loc.kind, loc.files, checked)
+                return VerifyReport(where, loc.kind, loc.files, checked, tuple(summed))
             plan = plan_verify(loc.manifest)
             prefault = _Prefaulter()
             counted = None

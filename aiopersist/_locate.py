@@ -12,6 +12,11 @@ The one exception is a path the caller names directly: a safetensors file given 
 path may be a link (the Hugging Face cache links its snapshots to blobs); it is resolved
 and must lead to a regular file.
 
+A safetensors file, or a Hugging Face directory, inside an aiopersist checkpoint (named
+directly, ``ck/model.safetensors``, or a directory that lost its manifest inside one) is
+checked against the nearest manifest above it that lists it (`Located.records`): its size
+here, its checksum as it is read. A manifest there that cannot be read refuses the load.
+
 A checkpoint spread over several directories has its parts in ``part-<token>``
 directories. Given only the checkpoint, they are found where the manifest says (relative
 paths, checked to end in the part's own name). Given the list of directories the save was
@@ -27,7 +32,9 @@ proof of damage (the data may be intact where it leads).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import logging
 import os
 import stat
 from collections.abc import Sequence
@@ -39,12 +46,14 @@ from ._exceptions import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     LinkedFileError,
+    NewerFormatError,
     from_os_error,
 )
 from ._format import load_json
 from ._manifest import (
     MAX_INDEX_BYTES,
     MAX_MANIFEST_BYTES,
+    MAX_MEMBER_DEPTH,
     FileRecord,
     Manifest,
     member_directories,
@@ -52,6 +61,8 @@ from ._manifest import (
     parse_manifest,
 )
 from ._names import MANIFEST_NAME, MODEL_FILE, MODEL_INDEX, part_dir
+
+log = logging.getLogger("aiopersist")
 
 READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
 """Flags of every open of a checkpoint's file for reading (plus ``O_DIRECT`` where used)."""
@@ -99,6 +110,9 @@ class Located:
     """Size of each file: by name (``manifest``), by absolute path otherwise."""
     places: tuple[str, ...] = ()
     """``manifest``: the absolute directory of each of `Manifest.directories`."""
+    records: dict[str, FileRecord] = dataclasses.field(default_factory=dict)
+    """``hf-dir`` and ``safetensors``: the files that an aiopersist checkpoint around them
+    lists, by path, with their records there (`records_above`): read whole and checked."""
 
     def path_of(self, rec: FileRecord) -> str:
         """Where a file of the manifest is."""
@@ -339,7 +353,8 @@ def locate(path: PathArg) -> Located:
         found = [(f, regular_stat(f, where)) for f in files]
         distinct_files(found, where)
         sizes = {f: st.st_size for f, st in found}
-        return Located("hf-dir", target, files, None, probe_file_for_read(files[0]), sizes)
+        records = records_above(os.path.dirname(os.path.abspath(target)), {f: f for f in files}, sizes)
+        return Located("hf-dir", target, files, None, probe_file_for_read(files[0]), sizes, records=records)
     if not os.path.lexists(target):
         raise CheckpointNotFoundError(f"{target}: no such checkpoint")
     # A file named by the caller: links are followed (the caller chose it), to a regular file.
@@ -352,6 +367,45 @@ def locate(path: PathArg) -> Located:
         raise from_os_error(exc, "stat", real) from exc
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointCorruptError(f"{target}: {_kind_of(st.st_mode)}, not a checkpoint")
+    sizes = {real: st.st_size}
+    records = records_above(os.path.dirname(os.path.abspath(target)), {real: os.path.abspath(target)}, sizes)
     return Located(
-        "safetensors", os.path.dirname(real), (real,), None, probe_file_for_read(real), {real: st.st_size}
+        "safetensors", os.path.dirname(real), (real,), None, probe_file_for_read(real), sizes, records=records
     )
+
+
+def records_above(start: str, named: dict[str, str], sizes: dict[str, int]) -> dict[str, FileRecord]:
+    """The manifest records of files found without one (``named``: each file's path, to
+    the path the caller reached it by), when they belong to an aiopersist checkpoint: the
+    nearest directory from ``start`` up (at most `MAX_MEMBER_DEPTH` levels) that holds a
+    manifest. Each file it lists in its own directory must have the listed size
+    (``sizes``), and is checked as it is read; the others are read as they are. A
+    manifest there that cannot be read raises (`CheckpointCorruptError`: what it would
+    say of the file is unknown); a newer format's is passed over, said in the log."""
+    d = start
+    for _ in range(MAX_MEMBER_DEPTH + 1):
+        if os.path.lexists(os.path.join(d, MANIFEST_NAME)):
+            break
+        parent = os.path.dirname(d)
+        if parent == d:
+            return {}
+        d = parent
+    else:
+        return {}
+    mpath = os.path.join(d, MANIFEST_NAME)
+    try:
+        manifest = read_manifest(d)
+    except NewerFormatError as exc:
+        log.warning("aiopersist: %s is read unchecked: the checkpoint around it is newer: %s", start, exc)
+        return {}
+    records = {}
+    for f, via in named.items():
+        rec = manifest.files.get(os.path.relpath(via, d))
+        if rec is None or rec.directory != 0:
+            continue
+        if sizes[f] != rec.nbytes:
+            raise CheckpointCorruptError(
+                f"{via}: {sizes[f]} bytes, where {mpath} lists {rec.nbytes} (truncated or overwritten)"
+            )
+        records[f] = rec
+    return records

@@ -683,7 +683,12 @@ def _verify(args: argparse.Namespace) -> int:
         return 1
     kind = report.kind
     line = f"ok: {kind}, {_plural(len(report.files), 'file')}, {human(report.bytes_checked)} checked"
-    if kind != "aiopersist":
+    if kind != "aiopersist" and len(report.checksummed) == len(report.files):
+        line += " (checksums from the aiopersist checkpoint around it)"
+    elif kind != "aiopersist" and report.checksummed:
+        n = len(report.checksummed)
+        line += f" ({n} with checksums from the aiopersist checkpoint around them, the rest headers only)"
+    elif kind != "aiopersist":
         line += " (headers only: this format has no checksums)"
     print(line)
     return 0

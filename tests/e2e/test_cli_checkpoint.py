@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 import aiopersist
 from aiopersist._cli.progress import human
 from tests._forkserver import aiopersist_cli
+from tests.conftest import flip_byte
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -187,6 +188,22 @@ def test_verify_detects_a_flipped_byte(fresh_copy: Path, backend_name: str) -> N
     assert proc.stdout.startswith("corrupt: ")
     assert str(data) in proc.stdout
     assert "checksum" in proc.stdout
+
+
+def test_verify_of_a_file_inside_a_checkpoint_uses_its_manifest(fresh_copy: Path, backend_name: str) -> None:
+    """A data file named on its own is checked against the checksums of the checkpoint
+    around it (it used to get a header check, and a flipped byte passed)."""
+    data = fresh_copy / "state.safetensors"
+    proc = _cli("verify", "--backend", backend_name, str(data))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == (
+        f"ok: safetensors, 1 file, {human(data.stat().st_size)} checked "
+        "(checksums from the aiopersist checkpoint around it)"
+    )
+    flip_byte(data)
+    proc = _cli("verify", "--backend", backend_name, str(data))
+    assert proc.returncode == 1
+    assert proc.stdout.startswith(f"corrupt: {data}: checksum mismatch"), proc.stdout
 
 
 def test_verify_detects_truncation(fresh_copy: Path) -> None:

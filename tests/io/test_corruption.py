@@ -15,6 +15,7 @@ import xxhash
 
 import aiopersist
 from aiopersist._manifest import _canonical
+from tests.conftest import flip_byte
 
 pytestmark = pytest.mark.asyncio
 
@@ -180,6 +181,61 @@ async def test_absurd_header_length_in_plain_file(backend_name: str, tmp_path: P
     f = tmp_path / "x.safetensors"
     f.write_bytes(struct.pack("<Q", 1 << 62) + b"{}")
     await _both_fail(f, backend_name, r"x\.safetensors: header length \d+ is absurd")
+
+
+async def test_a_file_of_a_checkpoint_named_directly_is_checked_against_its_manifest(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """``load("ck/state.safetensors")`` reads the file as a plain safetensors file (no
+    checksums of its own), but the manifest beside it lists it: it is read whole and
+    checked against it. A flipped byte used to load as a wrong tensor."""
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    f = ckpt / "state.safetensors"
+    whole = await aiopersist.load(ckpt, backend=backend_name)
+    flat = await aiopersist.load(f, backend=backend_name)
+    assert torch.equal(flat["model.w"], whole["model"]["w"])
+    report = await aiopersist.verify(f, backend=backend_name)
+    assert report.bytes_checked == f.stat().st_size  # the whole file, not its header
+    assert report.checksummed == (str(f),)
+    flip_byte(f)
+    with pytest.raises(aiopersist.CheckpointCorruptError, match=r"state\.safetensors: checksum mismatch"):
+        await aiopersist.load(f, backend=backend_name)
+    with pytest.raises(aiopersist.CheckpointCorruptError, match=r"state\.safetensors: checksum mismatch"):
+        await aiopersist.verify(f, backend=backend_name)
+    os.truncate(f, f.stat().st_size - 8)
+    with pytest.raises(aiopersist.CheckpointCorruptError, match=r"where .*aiopersist\.json lists"):
+        await aiopersist.load(f, backend=backend_name)
+
+
+async def test_a_model_directory_inside_a_checkpoint_is_checked_against_its_manifest(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A Hugging Face directory among a checkpoint's files (an extra file ``hf/model.safetensors``)
+    loaded by its own path: the checkpoint's manifest lists its file, so it is checked."""
+    w = torch.randn(64, 64)
+    extra = {"hf/model.safetensors": aiopersist.SafetensorsSave({"w": w})}
+    await aiopersist.save({"step": 1}, tmp_path / "c", backend=backend_name, extra_files=extra)
+    hf = tmp_path / "c" / "hf"
+    assert torch.equal((await aiopersist.load(hf, backend=backend_name))["w"], w)
+    flip_byte(hf / "model.safetensors")
+    with pytest.raises(aiopersist.CheckpointCorruptError, match="checksum mismatch"):
+        await aiopersist.load(hf, backend=backend_name)
+
+
+async def test_a_file_whose_checkpoint_manifest_is_damaged_or_gone(backend_name: str, tmp_path: Path) -> None:
+    """Damaged, the manifest beside the file cannot say what the file should be: refused.
+    Gone, there is nothing to check the file against: read as a plain file, as before."""
+    ckpt = await _checkpoint(tmp_path, backend_name)
+    f = ckpt / "state.safetensors"
+    manifest = ckpt / "aiopersist.json"
+    good = manifest.read_bytes()
+    flip_byte(manifest)
+    with pytest.raises(aiopersist.CheckpointCorruptError, match=r"aiopersist\.json"):
+        await aiopersist.load(f, backend=backend_name)
+    manifest.unlink()
+    assert "model.w" in await aiopersist.load(f, backend=backend_name)
+    manifest.write_bytes(good)
+    assert "model.w" in await aiopersist.load(f, backend=backend_name)
 
 
 async def test_corrupt_save_never_replaces_the_good_one(backend_name: str, tmp_path: Path) -> None:
