@@ -621,6 +621,9 @@ class CheckpointManager:
         next pass follows them all (`_pass_after`)."""
         self._pass_next: asyncio.Future[None] | None = None
         self._pass_running = False
+        self._mirror_retry: set[int] = set()
+        """The steps of the last pass, when their mirroring failed: the local retention
+        spares them (`_unmirrored`) until the next pass has tried them again."""
         self._mirror_lock: asyncio.Lock | None = None
         self._closed = False
         self._locks: list[DirectoryLock] = []
@@ -783,6 +786,10 @@ class CheckpointManager:
             await fail_together(coord, os.path.join(self.directory, f"step-{step}"), exc)
         loop = asyncio.get_running_loop()
         meta = {**(metadata or {}), "step": str(step)}
+        if overwrite and self.mirror is not None:
+            # The mirror's copy (complete by its manifest, so the catch-up would pass it
+            # over) is the replaced one: it is copied again once this save commits.
+            self._remirror.add(step)
         self._writing.add(step)
         try:
             handle = await self.checkpointer.save(
@@ -882,35 +889,60 @@ class CheckpointManager:
         again (it spared the steps that waited to be mirrored). ``steps``: the commits this
         pass follows, in order. The last is spared, as a pass per commit spared its own
         (a save is never deleted by its own retention); the earlier ones are not, as the
-        later commits' passes would not have spared them."""
+        later commits' passes would not have spared them.
+
+        A step whose mirroring fails stays spared by the local retention until the next
+        pass has tried it again; failing twice, it is left to the local retention (said in
+        the log). A failure is the commits' (on their handles' ``mirrored``), never the
+        pass task's: nothing is left for asyncio to report."""
         cancelled = False
         last = steps[-1:]
+        retried, self._mirror_retry = self._mirror_retry, set()
         try:
+            error: Exception | None = None
             try:
                 await asyncio.to_thread(self._retain, self.directories, self.retention, "local", last)
                 if self.mirror is not None:
                     try:
                         await self._sync_mirror()
                     except Exception as exc:
+                        error = exc
+                        self._mirror_retry = set(steps)  # spared until the next pass tries them
                         log.warning(
-                            "aiopersist: mirroring step%s %s to %s failed (retried after the next save): %s",
+                            "aiopersist: mirroring step%s %s to %s failed (tried again after the next "
+                            "save; the local retention spares %s until then): %s",
                             "s" if len(steps) > 1 else "",
                             ", ".join(map(str, steps)),
                             self.mirror,
+                            "them" if len(steps) > 1 else "it",
                             exc,
                         )
-                        _fail_quietly(outcome, exc)
-                        return
-                    finally:
-                        self._unmirrored.difference_update(steps)
+                    given_up = sorted(retried - self._mirror_retry)
+                    if error is not None and given_up:
+                        log.warning(
+                            "aiopersist: step%s %s not mirrored to %s after a second try: left to the "
+                            "local retention",
+                            "s" if len(given_up) > 1 else "",
+                            ", ".join(map(str, given_up)),
+                            self.mirror,
+                        )
+                    self._unmirrored.difference_update((set(steps) | retried) - self._mirror_retry)
                     await asyncio.to_thread(self._retain, self.directories, self.retention, "local", last)
+            except Exception as exc:  # the local tier's scan failed: told on the handles
+                log.warning("aiopersist: retention after step %d failed: %s", steps[-1], exc)
+                error = error or exc
+            if error is not None:
+                _fail_quietly(outcome, error)
+            else:
                 _resolve(outcome, None)
-            except BaseException as exc:
-                cancelled = isinstance(exc, asyncio.CancelledError)
-                _fail_quietly(outcome, exc)
-                raise
+        except BaseException as exc:
+            cancelled = True
+            _fail_quietly(outcome, exc)
+            raise
         finally:
-            self._unmirrored.difference_update(steps)
+            if cancelled:
+                self._mirror_retry = set()
+            self._unmirrored.difference_update((set(steps) | retried) - self._mirror_retry)
             self._pass_running = False
             if self._pass_steps:
                 if cancelled:  # the manager is being torn down: the waiting commits end too
@@ -940,7 +972,14 @@ class CheckpointManager:
         for step in to_delete([s.step for s in complete], policy, protected):
             paths = step_paths(directories, names[step])
             log.info("aiopersist: retention deletes %s", paths[0])
-            delete_step(paths)
+            try:
+                delete_step(paths)
+            except (OSError, AiopersistError) as exc:
+                # One step that cannot go (a permission, a failing disk) stops neither the
+                # others' deletion nor the mirror: it is tried again at the next pass.
+                log.warning(
+                    "aiopersist: retention could not delete %s (tried again later): %s", paths[0], exc
+                )
 
     async def _sync_mirror(self) -> None:
         """Copy every complete local step the mirror lacks (and would keep) to it, oldest
@@ -969,7 +1008,9 @@ class CheckpointManager:
                     step,
                     os.path.join(self.mirror, step_name(step)),
                 )
-            skipped = there | linked
+            # A step being saved again (overwrite, or replacing a damaged copy) is copied by
+            # its own commit's pass: its local copy now is the one being replaced.
+            skipped = there | linked | set(self._writing)
             wanted = [s.step for s in local if s.step not in skipped]
             self._mirroring.update(wanted)  # local retention leaves them until copied
             keep = set(wanted) - set(to_delete(sorted(there | set(wanted)), self.mirror_retention))

@@ -780,6 +780,106 @@ async def test_commits_during_a_pass_share_the_next_one(
     assert _names(mirror) == [f"step-{s}" for s in range(4, 9)]
 
 
+async def _w(path: Path, backend: str) -> float:
+    return float((await aiopersist.load(path, backend=backend))["w"][0, 0])
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_step_retention_cannot_delete_stops_neither_the_others_nor_the_mirror(
+    tmp_path: Path, backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """step-1 made immutable (``chattr +i``: even root cannot delete it): retention says so
+    and goes on; the mirror still gets every step (a failing deletion used to end the
+    pass: nothing more was deleted or mirrored, ever, and asyncio reported the task)."""
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr")
+    local, mirror = tmp_path / "local", tmp_path / "shared"
+    step1 = local / "step-1"
+    try:
+        async with aiopersist.CheckpointManager(local, keep_last=1, mirror=mirror, backend=backend) as mgr:
+            await (await mgr.save(1, state_of(1))).mirrored
+            immutable = await asyncio.to_thread(
+                subprocess.run, ["chattr", "+i", str(step1)], capture_output=True
+            )
+            if immutable.returncode != 0:
+                pytest.skip("the file system does not take chattr +i")
+            handles = [await mgr.save(s, state_of(s)) for s in (2, 3, 4)]
+            told = [await h.mirrored for h in handles]
+        assert told == [str(mirror / f"step-{s}") for s in (2, 3, 4)]
+        assert _names(mirror) == [f"step-{s}" for s in range(1, 5)]
+        assert _names(local) == ["step-1", "step-4"]
+        assert "retention could not delete" in caplog.text
+        assert "never retrieved" not in caplog.text
+    finally:
+        await asyncio.to_thread(subprocess.run, ["chattr", "-i", str(step1)], check=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_step_saved_again_reaches_the_mirror_as_saved_again(tmp_path: Path, backend: str) -> None:
+    """``overwrite=True`` of a step the mirror has: the mirror's copy is replaced too (it
+    kept the old one, complete by its manifest, and ``mirrored`` named it). Also while
+    another step's pass runs during the new save: that pass leaves the step to its own."""
+    from aiopersist import _manager
+
+    local, mirror = tmp_path / "local", tmp_path / "shared"
+    async with aiopersist.CheckpointManager(local, mirror=mirror, backend=backend) as mgr:
+        await (await mgr.save(5, state_of(1))).mirrored
+        assert await (await mgr.save(5, state_of(2), overwrite=True)).mirrored == str(mirror / "step-5")
+        assert await _w(mirror / "step-5", backend) == 2.0
+        real = _manager.copy_step
+
+        def slow_copy(*args: Any) -> Any:
+            time.sleep(0.3)
+            return real(*args)
+
+        _manager.copy_step = slow_copy
+        try:
+            h6 = await mgr.save(6, state_of(6))
+            h5 = await mgr.save(5, state_of(3), overwrite=True)  # in flight while step 6's pass copies
+            assert await h6.mirrored == str(mirror / "step-6")
+            assert await h5.mirrored == str(mirror / "step-5")
+        finally:
+            _manager.copy_step = real
+    assert await _w(local / "step-5", backend) == 3.0
+    assert await _w(mirror / "step-5", backend) == 3.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_step_whose_mirroring_failed_is_tried_again_before_retention_takes_it(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first copy to the mirror fails (EIO): step 1's handle says so, and the log that
+    it is tried again after the next save, which it is, before the local retention
+    (``keep_last=1``) deletes it (it deleted it first: the mirror never had step 1)."""
+    import errno
+
+    from aiopersist import _manager
+
+    real = _manager.copy_step
+    calls = []
+
+    def failing_once(*args: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(*args)
+
+    monkeypatch.setattr(_manager, "copy_step", failing_once)
+    local, mirror = tmp_path / "local", tmp_path / "shared"
+    async with aiopersist.CheckpointManager(local, keep_last=1, mirror=mirror, backend=backend) as mgr:
+        with pytest.raises(aiopersist.CheckpointIOError):
+            await (await mgr.save(1, state_of(1))).mirrored
+        assert _names(local) == ["step-1"]
+        assert await (await mgr.save(2, state_of(2))).mirrored == str(mirror / "step-2")
+    assert "tried again after the next save" in caplog.text
+    assert _names(mirror) == ["step-1", "step-2"]
+    assert _names(local) == ["step-2"]
+
+
 def _record_allocations(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Weak references to every tensor a load allocates from now on."""
     import weakref
