@@ -321,9 +321,9 @@ class _OnPortal:
         try:
             if not finished.wait(grace):
                 log.warning(
-                    "aiopersist: exiting with a save still in flight after %.0f s "
-                    "(AIOPERSIST_EXIT_GRACE): cancelled; no checkpoint is published, and what it "
-                    "wrote is removed now or by the next start",
+                    "aiopersist: exiting with work still in flight after %g s (AIOPERSIST_EXIT_GRACE: "
+                    "a save, or a manager's retention and mirroring): cancelled; a cancelled save "
+                    "publishes nothing, and what it wrote is removed now or by the next start",
                     grace,
                 )
                 closing.cancel()

@@ -106,12 +106,12 @@ def test_a_save_stuck_past_the_grace_is_abandoned_and_the_next_start_cleans_up(t
         gate.entered.wait(20)
         raise KeyboardInterrupt
         """,
-        grace=1,
+        grace=0.5,
         timeout=60,
     )
     assert rc != 0, err
     assert "KeyboardInterrupt" in err
-    assert err.count("still in flight after 1 s") == 1
+    assert err.count("still in flight after 0.5 s") == 1  # it said "after 0 s"
     # The stuck thread is waited for once in the exit (the cancelled save's cleanup and the
     # threads' last wait share one budget), and said once.
     _said_once_with_the_time_waited(err)
