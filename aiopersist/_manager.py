@@ -884,6 +884,20 @@ class CheckpointManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+        def never_ran(t: asyncio.Future[None]) -> None:
+            # Cancelled before its first step (the manager closed in the same turn): its
+            # own cleanup never ran, so it is done here.
+            if t.cancelled() and not outcome.done():
+                self._pass_running = False
+                nxt, self._pass_next = self._pass_next, None
+                self._unmirrored.difference_update([*steps, *self._pass_steps])
+                self._pass_steps = []
+                for fut in (outcome, nxt):
+                    if fut is not None:
+                        _fail_quietly(fut, asyncio.CancelledError())
+
+        task.add_done_callback(never_ran)
+
     async def _one_pass(self, steps: list[int], outcome: asyncio.Future[None]) -> None:
         """Retention of the local steps, the mirror's catch-up, then the local retention
         again (it spared the steps that waited to be mirrored). ``steps``: the commits this

@@ -880,6 +880,31 @@ async def test_a_step_whose_mirroring_failed_is_tried_again_before_retention_tak
     assert _names(local) == ["step-2"]
 
 
+@pytest.mark.asyncio
+async def test_a_pass_cancelled_before_it_starts_leaves_nothing_waiting(tmp_path: Path) -> None:
+    """The manager closed (its tasks cancelled) in the same turn a pass was started: the
+    pass never runs its own cleanup, so the commits waiting on it and the next one are
+    ended and the manager is not left thinking a pass runs."""
+    mgr = aiopersist.CheckpointManager(tmp_path / "local", mirror=tmp_path / "shared", backend="threads")
+    loop = asyncio.get_running_loop()
+    mgr._pass_steps.append(1)
+    mgr._pass_next = loop.create_future()
+    outcome = mgr._pass_next
+    mgr._start_pass()
+    (task,) = list(mgr._tasks)
+    mgr._pass_steps.append(2)  # a commit queued for the next pass
+    mgr._pass_next = nxt = loop.create_future()
+    task.cancel()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert task.cancelled()
+    assert outcome.cancelled()
+    assert nxt.cancelled()
+    assert not mgr._pass_running
+    assert mgr._pass_steps == []
+    await mgr.aclose()
+
+
 def _record_allocations(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Weak references to every tensor a load allocates from now on."""
     import weakref
