@@ -889,14 +889,19 @@ class CheckpointManager:
             # own cleanup never ran, so it is done here.
             if t.cancelled() and not outcome.done():
                 self._pass_running = False
-                nxt, self._pass_next = self._pass_next, None
-                self._unmirrored.difference_update([*steps, *self._pass_steps])
-                self._pass_steps = []
-                for fut in (outcome, nxt):
-                    if fut is not None:
-                        _fail_quietly(fut, asyncio.CancelledError())
+                self._unmirrored.difference_update(steps)
+                _fail_quietly(outcome, asyncio.CancelledError())
+                self._end_queued()
 
         task.add_done_callback(never_ran)
+
+    def _end_queued(self) -> None:
+        """The manager is being torn down: the commits queued for the next pass end too."""
+        nxt, self._pass_next = self._pass_next, None
+        self._unmirrored.difference_update(self._pass_steps)
+        self._pass_steps = []
+        if nxt is not None:
+            _fail_quietly(nxt, asyncio.CancelledError())
 
     async def _one_pass(self, steps: list[int], outcome: asyncio.Future[None]) -> None:
         """Retention of the local steps, the mirror's catch-up, then the local retention
@@ -923,21 +928,16 @@ class CheckpointManager:
                         error = exc
                         self._mirror_retry = set(steps)  # spared until the next pass tries them
                         log.warning(
-                            "aiopersist: mirroring step%s %s to %s failed (tried again after the next "
-                            "save; the local retention spares %s until then): %s",
-                            "s" if len(steps) > 1 else "",
-                            ", ".join(map(str, steps)),
+                            "aiopersist: mirroring %s to %s failed (tried again after the next save; "
+                            "spared by the local retention until then): %s",
+                            _steps_text(steps),
                             self.mirror,
-                            "them" if len(steps) > 1 else "it",
                             exc,
                         )
-                    given_up = sorted(retried - self._mirror_retry)
-                    if error is not None and given_up:
+                    if error is not None and (given_up := sorted(retried - self._mirror_retry)):
                         log.warning(
-                            "aiopersist: step%s %s not mirrored to %s after a second try: left to the "
-                            "local retention",
-                            "s" if len(given_up) > 1 else "",
-                            ", ".join(map(str, given_up)),
+                            "aiopersist: %s not mirrored to %s after a second try: left to local retention",
+                            _steps_text(given_up),
                             self.mirror,
                         )
                     self._unmirrored.difference_update((set(steps) | retried) - self._mirror_retry)
@@ -958,15 +958,10 @@ class CheckpointManager:
                 self._mirror_retry = set()
             self._unmirrored.difference_update((set(steps) | retried) - self._mirror_retry)
             self._pass_running = False
-            if self._pass_steps:
-                if cancelled:  # the manager is being torn down: the waiting commits end too
-                    nxt, self._pass_next = self._pass_next, None
-                    self._unmirrored.difference_update(self._pass_steps)
-                    self._pass_steps = []
-                    if nxt is not None:
-                        _fail_quietly(nxt, asyncio.CancelledError())
-                else:
-                    self._start_pass()
+            if cancelled:
+                self._end_queued()
+            elif self._pass_steps:
+                self._start_pass()
 
     def _retain(
         self, directories: Sequence[str], policy: Retention, tier: str, committed: Sequence[int] = ()
@@ -1270,6 +1265,11 @@ def _restorable(info: StepInfo) -> StepInfo:
 
 def _norm(path: str) -> str:
     return os.path.normpath(path)
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    """``step 3`` or ``steps 3, 4`` (for the log)."""
+    return ("steps " if len(steps) > 1 else "step ") + ", ".join(map(str, steps))
 
 
 def _resolve(fut: asyncio.Future[Any], value: Any) -> None:

@@ -266,7 +266,7 @@ class FileWriter:
         self.bytes_written = 0
         self._size = size
         self._allocated = 0  # bytes preallocated at open (the file's length until finish)
-        self._written_end = 0  # the end of the requests that completed, furthest first
+        self._written_end = 0  # the furthest end of the requests that completed
 
     async def open(self) -> FileWriter:
         """Create (or truncate) the file; ``O_DIRECT`` when the directory takes it. With
