@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+import aiopersist
 from aiopersist.integrations.dcp import AiopersistReader, AiopersistWriter
 
 
@@ -151,6 +152,31 @@ def scenario(name: str, rank: int, world: int, base: str, backend: str) -> Any:
         )
         result = fut.upload_completion.result() if hasattr(fut, "upload_completion") else fut.result()
         return {"metadata": type(result).__name__}
+    if name == "fence-rank-dies-in-planning":
+        # Rank 1 dies in DCP's planning, before the writer writes anything anywhere: rank
+        # 0's fence, waited on without the upload future, must end (not wait for good).
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        from aiopersist.integrations.dcp import FenceStager
+
+        class DiesInPlanning(DefaultSavePlanner):
+            def create_local_plan(self) -> Any:
+                os._exit(3)
+
+        writer = AiopersistWriter(backend=backend)
+        stager = FenceStager(writer)
+        dcp.async_save(
+            sharded(world, full_state()),
+            checkpoint_id=path,
+            storage_writer=writer,
+            async_stager=stager,
+            planner=DiesInPlanning() if rank == 1 else None,
+        )
+        try:
+            stager.wait_staged(timeout=120)
+        except aiopersist.RankFailedError as exc:
+            return {"fence": type(exc).__name__, "left": sorted(os.listdir(base))}
+        return {"fence": "staged"}
     if name in ("load", "load-stock"):
         target = sharded(world, None)
         reader = AiopersistReader(backend=backend) if name == "load" else FileSystemReader(path)

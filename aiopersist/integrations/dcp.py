@@ -69,6 +69,7 @@ import reprlib
 import stat
 import struct
 import threading
+import time
 import uuid
 import zipfile
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -115,6 +116,7 @@ from .._exceptions import (
     CheckpointCorruptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    RankFailedError,
     UnsupportedStateError,
     from_os_error,
 )
@@ -352,12 +354,17 @@ class _Written:
 
 class _Fence:
     """One save's staging point: set once every byte of this rank's tensors has left them
-    (or the write failed)."""
+    (or the write failed, or the save's upload thread ended without writing)."""
+
+    _POLL = 0.1
+    """How often a wait looks at the upload thread (seconds)."""
 
     def __init__(self, cuda_ready: dict[int, Any]) -> None:
         self.cuda_ready = cuda_ready
         self._done = threading.Event()
         self.error: BaseException | None = None
+        self.upload_thread: threading.Thread | None = None
+        """DCP's thread running this save, noted at the writer's first call from it."""
 
     def set(self) -> None:
         self._done.set()
@@ -367,8 +374,34 @@ class _Fence:
             self.error = error
         self._done.set()
 
+    def note_upload_thread(self) -> None:
+        if self.upload_thread is None:
+            self.upload_thread = threading.current_thread()
+
     def wait(self, timeout: float | None) -> bool:
-        return self._done.wait(timeout)
+        """Wait until set or failed; ``False`` after ``timeout`` seconds. A save that
+        failed outside the writer (DCP's planning: a collective broken by a rank that
+        died, a planner's error) never reaches ``write_data``, and its upload thread ends
+        (DCP's executor lets it go with the save): that ends the wait too, failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = self._POLL if deadline is None else min(self._POLL, deadline - time.monotonic())
+            if self._done.wait(max(left, 0.0)):
+                return True
+            thread = self.upload_thread
+            if thread is not None and not thread.is_alive():
+                # The thread ends after the save's last step: a save that staged set the
+                # fence before it (fail keeps that).
+                self.fail(
+                    RankFailedError(
+                        "the DCP save ended before it wrote this rank's tensors: it failed in "
+                        "DCP's planning, on this rank or another (its error is on the future "
+                        "dcp.async_save returned)"
+                    )
+                )
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
 
 def _new_fence() -> _Fence:
@@ -453,10 +486,12 @@ class FenceStager:
     def wait_staged(
         self, upload: concurrent.futures.Future[Any] | None = None, timeout: float | None = None
     ) -> None:
-        """Block until this rank's tensors may change again. With ``upload`` (what
-        ``async_save`` returned), a save that fails before it writes (in DCP's planning)
-        ends the wait too, raising its error; so does a failed write. Raises
-        `TimeoutError` after ``timeout`` seconds."""
+        """Block until this rank's tensors may change again. A save that fails before it
+        writes ends the wait too: with ``upload`` (what ``async_save`` returned) raising
+        the save's own error; without it, a failure in this rank's writer raises that
+        error and one elsewhere (DCP's planning, on this rank or another) raises
+        [`RankFailedError`][aiopersist.RankFailedError] once DCP's upload thread has ended.
+        A failed write raises its error. Raises `TimeoutError` after ``timeout`` seconds."""
         fence = self._fence
         if fence is None:
             return
@@ -528,13 +563,22 @@ class AiopersistWriter(StorageWriter):
         """The coordinator's save goes where an empty directory stands (a stock
         ``FileSystemWriter`` writes into it, whatever ``overwrite`` says)."""
 
+    def _note_upload_thread(self) -> None:
+        """Called by DCP's first calls of a save (in its upload thread, with
+        ``async_save``): the armed fence learns the thread, so that a wait on it ends when
+        the save fails where the writer never hears of it."""
+        if self._fence is not None:
+            self._fence.note_upload_thread()
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._note_upload_thread()
         if checkpoint_id is not None:
             self.path = absolute_path(checkpoint_id, "checkpoint_id")
             self.checkpoint_id = Path(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
     def storage_meta(self) -> StorageMeta | None:
+        self._note_upload_thread()
         self._path()  # raises without a checkpoint directory
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
@@ -552,6 +596,7 @@ class AiopersistWriter(StorageWriter):
         return self.path
 
     def set_up_storage_writer(self, is_coordinator: bool, **kwargs: Any) -> None:
+        self._note_upload_thread()
         try:
             self._set_up(is_coordinator, **kwargs)
         except BaseException as exc:

@@ -54,6 +54,16 @@ def test_async_save_on_2_ranks(tmp_path: Path) -> None:
         assert out["ok"]["mismatch"] == [], out
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_dying_in_dcps_planning_ends_the_other_ranks_fence(tmp_path: Path, backend: str) -> None:
+    """Rank 1 dies in DCP's planning of an ``async_save`` with `FenceStager`: rank 0's
+    ``wait_staged()``, without the upload future, raises `RankFailedError` (it waited
+    until its timeout, for good without one), and nothing is left on disk."""
+    outs = run_ranks("fence-rank-dies-in-planning", tmp_path, backend, world=2, worker="tests._dcp_worker")
+    assert outs[1]["rc"] == 3, outs[1]
+    assert outs[0].get("ok") == {"fence": "RankFailedError", "left": []}, outs[0]
+
+
 def test_fsdp2_model_and_optimizer_on_2_ranks_resume_bit_exact_on_1_2_and_3(tmp_path: Path) -> None:
     """FSDP2 (``fully_shard``, on CPU with gloo): the model's and AdamW's sharded state
     from ``get_state_dict`` saved through the writer on 2 ranks, loaded through the reader

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 
 import aiopersist
 from aiopersist.integrations.dcp import AiopersistReader, AiopersistWriter
@@ -555,6 +555,45 @@ def test_fence_stager_ends_the_wait_when_this_ranks_writer_fails(backend_name: s
         stager.wait_staged(timeout=60)  # the coordinator's claim refused it
     _refused(upload.result, "already exists")
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+
+
+class _PlanningFails(DefaultSavePlanner):
+    """DCP's planning fails outside the writer, after its first calls (as a rank that dies
+    then breaks the planning's collectives on the others)."""
+
+    def create_local_plan(self) -> Any:
+        raise RuntimeError("planning broke")
+
+
+def test_fence_stager_ends_the_wait_when_dcps_planning_fails(backend_name: str, tmp_path: Path) -> None:
+    """A save that fails in DCP's planning never reaches the writer's write: without
+    ``upload`` the wait used to last until its timeout (for good without one). It now
+    ends, once DCP's upload thread has ended, with `RankFailedError`; the save's own
+    error stays on the future, nothing is left on disk, and the stager takes the next save."""
+    from aiopersist.integrations.dcp import FenceStager
+
+    ck = tmp_path / "ck"
+    writer = AiopersistWriter(backend=backend_name)
+    stager = FenceStager(writer)
+    upload = dcp.async_save(
+        {"w": torch.ones(4)},
+        checkpoint_id=str(ck),
+        storage_writer=writer,
+        async_stager=stager,
+        planner=_PlanningFails(),
+    )
+    with pytest.raises(aiopersist.RankFailedError, match="failed in DCP's planning"):
+        stager.wait_staged(timeout=60)
+    _refused(upload.result, "planning broke")
+    assert list(tmp_path.iterdir()) == []
+    upload = dcp.async_save(
+        {"w": torch.ones(4)}, checkpoint_id=str(ck), storage_writer=writer, async_stager=stager
+    )
+    stager.wait_staged()
+    upload.result()
+    target = {"w": torch.zeros(4)}
+    dcp.load(target, checkpoint_id=str(ck), storage_reader=AiopersistReader(backend=backend_name))
+    assert torch.equal(target["w"], torch.ones(4))
 
 
 class _NotSerializable:
