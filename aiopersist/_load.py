@@ -476,15 +476,21 @@ def _rank_to_load(manifest: Manifest, rank: int | None) -> int:
 
 
 def _rebuild(state: RankState, stored: dict[str, torch.Tensor], pickled: list[object] | None) -> Any:
-    tensors = dict(stored)
-    for name, spec in state.views.items():
-        tensors[name] = build_view(stored[spec.base], spec)
-    for name, target in state.aliases.items():
-        tensors[name] = tensors[target]
+    """The saved object, from the tensors read (``stored``: those the skeleton reaches,
+    `needed_tensors`). Views and aliases are made as the skeleton names them: one that
+    nothing names has its base unread (a version 2 manifest may list such a one), and
+    is not made."""
+    views: dict[str, torch.Tensor] = {}
 
     def tensor(name: str) -> torch.Tensor:
+        name = state.aliases.get(name, name)  # validated: an alias names a stored tensor or a view
+        if name in state.views:
+            if name not in views:  # made once: every name of it is the same tensor
+                spec = state.views[name]
+                views[name] = build_view(tensor(spec.base), spec)
+            return views[name]
         try:
-            return tensors[name]
+            return stored[name]
         except KeyError:
             raise CheckpointCorruptError(f"manifest skeleton refers to unknown tensor {name!r}") from None
 
