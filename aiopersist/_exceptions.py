@@ -96,7 +96,8 @@ class LinkedFileError(CheckpointCorruptError):
     one file under two names (hard links): refused, since a load never reads through a
     link, but not proof that the checkpoint is broken (its data may be intact where the
     link leads: a DVC or git-annex checkout, a deduplicating copy). Retention, ``gc`` and
-    the Trainer's rotation never delete such a checkpoint as broken."""
+    the Trainer's rotation never delete such a checkpoint as broken. A manager's lock file
+    that is a symbolic link is refused with it too (never written through)."""
 
 
 class UnsupportedStateError(AiopersistError, TypeError):

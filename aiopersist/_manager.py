@@ -141,18 +141,39 @@ class DirectoryLock:
     ``flock`` (some FUSE and network mounts answer ENOLCK or EOPNOTSUPP) gets a warning
     and no lock. A process forked while the lock is held closes its copy of the file at
     once, so the lock never outlives its holder in a child (a DataLoader worker, say).
+
+    The lock file is untrusted like everything else in the directory: a symbolic link
+    there (planted, or in a copied run) is refused with `LinkedFileError`, never
+    followed, and anything but a regular file with `CheckpointIOError`; the holder's line
+    is not written into a file with other names (hard links), which may lie outside.
     """
 
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, LOCK_NAME)
         self._release: Callable[[], None] = lambda: None
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, flags, 0o644)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise LinkedFileError(
+                    f"{self.path}: the manager's lock file is a symbolic link; refused (it is never "
+                    "followed): remove it"
+                ) from None
             if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise from_os_error(exc, "open", self.path) from exc
             self._unlocked(directory, exc)
             return
+        try:
+            info = os.fstat(fd)
+        except OSError as exc:
+            os.close(fd)
+            raise from_os_error(exc, "fstat", self.path) from exc
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise CheckpointIOError(
+                errno.EINVAL, "the manager's lock file is not a regular file", self.path, call="open"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -169,9 +190,10 @@ class DirectoryLock:
                 raise from_os_error(exc, "flock", self.path) from exc
             self._unlocked(directory, exc)
             return
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        if info.st_nlink == 1:  # a file of its own: another name of it may be outside
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         closer = weakref.finalize(self, _close_lock, fd)
         _held_locks[fd] = closer
         self._release = closer

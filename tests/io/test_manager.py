@@ -580,6 +580,45 @@ def test_a_refused_argument_leaves_the_directory_unlocked(tmp_path: Path) -> Non
     aiopersist.BlockingCheckpointManager(tmp_path / "ck").close()
 
 
+def test_a_lock_file_that_leads_elsewhere_is_never_written_through(tmp_path: Path) -> None:
+    """The lock file is in the directory, so untrusted: planted as a symbolic link (to a
+    user's file, or to nothing), the manager truncated the file it led to and wrote its
+    pid there, or made the file it named (found by the fuzzing helper); ``gc --apply``
+    the same. Now a link is refused (`LinkedFileError`) and left as it is, anything but a
+    regular file too, and a hard-linked lock file is locked without being written."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("IMPORTANT USER DATA")
+    run_dir = tmp_path / "run"
+    with aiopersist.BlockingCheckpointManager(run_dir) as mgr:
+        mgr.save(1, state_of(1)).wait()
+    lock = run_dir / LOCK_NAME
+    for target in (victim, tmp_path / "nothing-here"):
+        lock.unlink()
+        lock.symlink_to(target)
+        with pytest.raises(aiopersist.LinkedFileError, match="lock file is a symbolic link"):
+            aiopersist.BlockingCheckpointManager(run_dir)
+        gc = run(
+            [sys.executable, "-m", "aiopersist", "gc", str(run_dir), "--keep-last", "1", "--apply"],
+            cwd=ROOT, text=True, timeout=120,
+        )  # fmt: skip
+        assert gc.returncode == 1, gc.stdout + gc.stderr
+        assert "symbolic link" in gc.stderr, gc.stderr
+        assert victim.read_text() == "IMPORTANT USER DATA"
+        assert not (tmp_path / "nothing-here").exists()
+        assert lock.is_symlink()
+    lock.unlink()
+    os.mkfifo(lock)
+    with pytest.raises(aiopersist.CheckpointIOError, match="not a regular file"):
+        aiopersist.BlockingCheckpointManager(run_dir)
+    lock.unlink()
+    os.link(victim, lock)
+    with aiopersist.BlockingCheckpointManager(run_dir) as mgr:
+        assert mgr.restore()["step"] == 1
+        with pytest.raises(aiopersist.DirectoryInUseError):
+            aiopersist.CheckpointManager(run_dir)  # still locked
+    assert victim.read_text() == "IMPORTANT USER DATA"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_read_only_directory_is_managed_unlocked(
     tmp_path: Path, backend: str, caplog: pytest.LogCaptureFixture
