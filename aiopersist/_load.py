@@ -733,6 +733,12 @@ async def verify(
 
     Raises [`CheckpointCorruptError`][aiopersist.CheckpointCorruptError] (or a sibling)
     naming the file and the fault.
+
+    The ``.metadata`` of a torch.distributed.checkpoint directory is checked like any
+    file, by size and checksum; what it says is not read here (it is DCP's pickle). The
+    ``aiopersist verify`` command and the integrations' resume checks also read it as
+    ``AiopersistReader`` does (``aiopersist.integrations.dcp.check_metadata_of``), which
+    refuses metadata forged together with its checksums.
     """
     loc = await asyncio.to_thread(locate, path)
     pool = StagingPool()

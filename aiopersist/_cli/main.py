@@ -670,11 +670,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from .._load import verify
+    from ..integrations.dcp import check_metadata_of
 
     try:
         with Progress("verify") as bar:
             report = asyncio.run(verify(args.path, backend=args.backend, progress=bar.update))
-        _check_dcp_metadata(args.path)
+        check_metadata_of(args.path)
     except CheckpointNotFoundError as exc:
         print(f"not found: {printable(str(exc))}")
         return 1
@@ -692,20 +693,6 @@ def _verify(args: argparse.Namespace) -> int:
         line += " (headers only: this format has no checksums)"
     print(line)
     return 0
-
-
-def _check_dcp_metadata(path: str) -> None:
-    """Each torch.distributed.checkpoint directory of the verified checkpoint (a DCP
-    checkpoint, or the sharded state of an FSDP one; not a file that happens to be named
-    ``.metadata``): its ``.metadata`` read as a load reads it, so that what its checksum
-    cannot tell (metadata forged with its manifest) is reported too."""
-    from .._locate import locate
-    from ..integrations.dcp import AiopersistReader
-
-    loc = locate(path)
-    if loc.manifest is not None:
-        for sub in dcp_directories(loc.manifest):
-            AiopersistReader(os.path.join(loc.directory, sub)).read_metadata()
 
 
 # -- ls and gc ------------------------------------------------------------------------------

@@ -185,7 +185,8 @@ def with_buffers_copied(model: torch.nn.Module, state: dict[str, Any]) -> dict[s
 
 def checkpoint_problem(path: str, backend: str, distributed: bool) -> str | None:
     """Why checkpoint ``path`` cannot be trusted to resume from, or ``None``: it checks out
-    against its manifest (`aiopersist.verify`: every file's size and checksum), or it has
+    against its manifest (`aiopersist.verify`: every file's size and checksum; and the
+    ``.metadata`` of its DCP directories read as `AiopersistReader` reads them), or it has
     no manifest (a stock save's: nothing to check it against), or it cannot be checked but
     its framework can load it (a newer format's manifest, a file linked from elsewhere:
     said in the log).
@@ -246,7 +247,13 @@ def _verified(path: str, backend: str) -> str | None:
 
     def check() -> None:
         try:
-            out.append(run_loop(verify(path, backend=backend), "aiopersist-verify"))
+            report = run_loop(verify(path, backend=backend), "aiopersist-verify")
+            # The sharded state of an FSDP checkpoint is loaded by DCP's own reader, which
+            # unpickles its .metadata whole: forged with its checksums, it is refused here.
+            from .dcp import check_metadata_of
+
+            check_metadata_of(path)
+            out.append(report)
         except BaseException as exc:  # handed to the caller
             out.append(exc)
 

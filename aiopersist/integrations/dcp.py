@@ -127,6 +127,7 @@ from .._manifest import (
     EntryRecord,
     FileRecord,
     Manifest,
+    dcp_directories,
     dump_manifest,
     format_version,
     new_hasher,
@@ -1654,6 +1655,20 @@ class AiopersistReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """As ``FileSystemReader``'s: a local path (not a URL such as ``s3://...``)."""
         return bool(_dcp_filesystem.FileSystem.validate_checkpoint_id(checkpoint_id))
+
+
+def check_metadata_of(path: str | os.PathLike[str]) -> None:
+    """Each torch.distributed.checkpoint directory of the aiopersist checkpoint at
+    ``path`` (a DCP checkpoint, or the sharded state of an FSDP one; not a file that
+    happens to be named ``.metadata``): its ``.metadata`` read as `AiopersistReader`
+    reads it, so that what the checksums cannot tell (metadata forged together with its
+    manifest: a pickle naming other classes, records pointing elsewhere) is refused with
+    `CheckpointCorruptError` before anything loads it. `aiopersist.verify` checks sizes
+    and checksums; the CLI's ``verify`` and the integrations' resume checks add this."""
+    loc = locate(os.fspath(path))
+    if loc.manifest is not None:
+        for sub in dcp_directories(loc.manifest):
+            AiopersistReader(os.path.join(loc.directory, sub)).read_metadata()
 
 
 def _unpickles_anything(planner: LoadPlanner) -> bool:

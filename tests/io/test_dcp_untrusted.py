@@ -481,6 +481,38 @@ def test_verify_reads_dcp_metadata_as_a_load_does(tmp_path: Path) -> None:
     assert "storage_meta is a str" in bad.stdout
 
 
+class _Calls:
+    """Pickles as a call of ``builtins.eval``: what a hostile ``.metadata`` would hold."""
+
+    def __reduce__(self) -> Any:
+        return (eval, ("1",))
+
+
+def test_the_resume_check_reads_dcp_metadata_as_a_load_does(backend_name: str, tmp_path: Path) -> None:
+    """The integrations' resume check (the Trainer's ``verify_on_resume``, Accelerate's
+    ``load_state``) on a checkpoint with a DCP directory whose ``.metadata`` was forged
+    with its checksums (a pickle naming ``builtins.eval``): every checksum matches, so it
+    passed, and DCP's own reader, which FSDP's loading uses, would unpickle it whole
+    (found by the fuzzing helper, through ``aiopersist verify`` against
+    ``aiopersist.verify``). Now refused before anything loads it, as the CLI does."""
+    from aiopersist.integrations._common import checkpoint_problem
+
+    ck = tmp_path / "ck"
+    dcp.save(
+        {"a": torch.arange(4000.0)},
+        checkpoint_id=str(ck),
+        storage_writer=AiopersistWriter(backend=backend_name),
+    )
+    assert checkpoint_problem(str(ck), backend_name, distributed=False) is None
+    md = _metadata(ck)
+    md.storage_meta = _Calls()  # type: ignore[assignment]
+    _reseal_metadata(ck, md)
+    asyncio.run(aiopersist.verify(ck, backend=backend_name))  # sizes and checksums: all match
+    problem = checkpoint_problem(str(ck), backend_name, distributed=False)
+    assert problem is not None
+    assert "builtins.eval is not part of DCP's metadata" in problem, problem
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 def test_a_data_file_swapped_for_a_fifo_after_the_metadata_never_hangs_the_load(
