@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import math
 import pickle
 from collections.abc import Callable, Mapping, Sequence
@@ -630,11 +631,13 @@ async def load(
         prefault.close()
         pool.close()
     if into is not None:
-        await asyncio.to_thread(load_into, into, state, strict=strict)  # copies into live tensors
+        # Copies into the caller's live tensors: a cancelled load waits for the copy to end,
+        # so that nothing changes them after CancelledError reaches the caller.
+        await to_thread_to_the_end(functools.partial(load_into, into, state, strict=strict))
         return into
     device = torch.device(map_location)
     if device.type != "cpu":
-        state = await asyncio.to_thread(_on_device, state, device)
+        state = await to_thread_to_the_end(_on_device, state, device)
     return state
 
 
