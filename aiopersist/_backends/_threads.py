@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from .._exceptions import CheckpointIOError, from_os_error, io_error
 from .._workers import DaemonThreadPool
-from ._base import Buffer, IOBackend, wait_uncancellable
+from ._base import Buffer, IOBackend, to_thread_to_the_end, wait_uncancellable
 
 T = TypeVar("T")
 
@@ -161,8 +161,12 @@ class ThreadsBackend(IOBackend):
         if self._closed:
             return
         self._closed = True
+        # No new work: idle threads end now, even if the wait below never runs (a
+        # cancellation that is level-triggered, as anyio's cancel scopes are, cancelled
+        # the thread that would have shut the pool down, and its threads lived on).
+        self._executor.shutdown(wait=False)
         # Every thread finishes its request before the pool goes away.
-        await asyncio.to_thread(self._executor.shutdown, wait=True)
+        await to_thread_to_the_end(self._executor.shutdown, True)
 
 
 __all__ = ["CheckpointIOError", "ThreadsBackend"]

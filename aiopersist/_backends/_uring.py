@@ -284,10 +284,12 @@ class UringBackend(IOBackend):
         self._closed = True
         # Let every request in flight complete (their buffers are in the kernel's hands).
         pending = [req.future for req in self._requests.values()]
-        if pending:
-            self._flush()
-            await asyncio.gather(*(wait_uncancellable(f) for f in pending), return_exceptions=True)
-        self._teardown()
+        try:
+            if pending:
+                self._flush()
+                await asyncio.gather(*(wait_uncancellable(f) for f in pending), return_exceptions=True)
+        finally:
+            self._teardown()  # the ring and its eventfd, also when the wait was cancelled
 
     def _teardown(self) -> None:
         if self._ring.closed:

@@ -304,3 +304,39 @@ async def test_a_cancelled_load_into_leaves_the_target_alone_once_cancelled(
         assert loaded(target) == seen, "the target changed after the cancelled load returned"
         return
     pytest.skip("no cancel landed during the copy in 20 tries")
+
+
+async def test_a_level_triggered_cancellation_leaves_no_backend_behind(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """Saves, loads and verifies cancelled by anyio's cancel scopes (the cancellation comes
+    again at every await, so it also met the backend's close): the threads backend's
+    worker threads were left running, 8 more for each one (found by the cancellation
+    helper), and a cancelled io_uring close could skip closing its ring. Now every
+    backend is gone when the call ends: no thread, no descriptor left."""
+    import threading
+
+    import anyio
+
+    state = {f"t{i}": torch.randn(4 << 20) for i in range(4)}  # 64 MiB
+    path = tmp_path / "ck"
+    await aiopersist.save(state, path, backend=backend_name)
+
+    def io_threads() -> int:
+        return sum(t.name.startswith("aiopersist-io") for t in threading.enumerate())
+
+    threads, fds = io_threads(), len(os.listdir("/proc/self/fd"))
+    caught = 0
+    for i in range(4):
+        for call in (
+            lambda: aiopersist.save(state, path, backend=backend_name, overwrite=True),
+            lambda: aiopersist.load(path, backend=backend_name),
+            lambda: aiopersist.verify(path, backend=backend_name),
+        ):
+            with anyio.move_on_after(0.002 + 0.004 * i) as scope:
+                await call()
+            caught += scope.cancelled_caught
+    assert caught  # the cancellations landed
+    assert io_threads() == threads
+    assert len(os.listdir("/proc/self/fd")) == fds
+    await aiopersist.verify(path, backend=backend_name)  # and the checkpoint is whole
