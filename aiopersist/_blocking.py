@@ -132,7 +132,9 @@ def load_sync(path: str | os.PathLike[str], **kwargs: Any) -> Any:
 
 
 async def _await(fut: Any) -> Any:
-    return await fut
+    # Shielded: a wait interrupted (Ctrl-C, the portal's cancel scope) never cancels the
+    # save's own future.
+    return await asyncio.shield(fut)
 
 
 class BlockingSaveHandle:
@@ -162,20 +164,20 @@ class BlockingSaveHandle:
 
     def wait_staged(self) -> None:
         """Block until the saved tensors may be mutated again (the fence)."""
-        self._portal.call(_await, self.handle.staged)
+        self._portal.call(_await, self.handle._staged)
 
     def wait(self) -> SaveInfo | None:
         """Block until the checkpoint is durable; its `SaveInfo` (``None`` if skipped)."""
-        result: SaveInfo | None = self._portal.call(_await, self.handle.done)
+        result: SaveInfo | None = self._portal.call(_await, self.handle._done)
         return result
 
     def staged(self) -> bool:
         """Whether the fence has passed (without waiting)."""
-        return self.handle.staged.done()
+        return self.handle._staged.done()
 
     def done(self) -> bool:
         """Whether the save is over, durable or failed (without waiting)."""
-        return self.handle.done.done()
+        return self.handle._done.done()
 
 
 class _LoopThread:
@@ -451,7 +453,7 @@ class BlockingManagedSaveHandle(BlockingSaveHandle):
     def wait_mirrored(self) -> str | None:
         """Block until the mirror has the step: its path there (``None`` without a
         mirror); raises why the mirror could not take it."""
-        result: str | None = self._portal.call(_await, self.managed.mirrored)
+        result: str | None = self._portal.call(_await, self.managed._mirrored)
         return result
 
 

@@ -26,7 +26,7 @@ import io
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn, cast
+from typing import Any, Literal, NoReturn, TypeVar, cast
 
 import torch
 
@@ -64,6 +64,9 @@ class SnapshotBudgetError(AiopersistError, MemoryError):
     """``mode="snapshot"``: the state's tensors do not fit in ``snapshot_bytes``."""
 
 
+T = TypeVar("T")
+
+
 @dataclass(eq=False)
 class SaveHandle:
     """A save in progress. ``await handle.staged``: the tensors may be mutated again.
@@ -72,11 +75,16 @@ class SaveHandle:
     A skipped save (``on_busy="skip"`` while another ran) has ``skipped`` set, and both
     futures are already resolved (``done`` to ``None``). A failed save raises its error,
     with its type and chain, from both (``staged`` too if it failed before staging).
+
+    ``staged`` and ``done`` are the caller's views of the save's own futures: cancelling
+    one (``asyncio.wait_for`` timing out, a cancelled task that awaited it) ends that wait
+    only, never the save, its bookkeeping (a manager's retention and mirroring) or the
+    handle: the next access gives a fresh view, which resolves as the save does.
     """
 
     path: str
-    staged: asyncio.Future[None]
-    done: asyncio.Future[SaveInfo | None]
+    _staged: asyncio.Future[None] = field(repr=False)
+    _done: asyncio.Future[SaveInfo | None] = field(repr=False)
     skipped: bool = False
     blocked_seconds: float = field(default=0.0)
     """Time the caller spent inside `Checkpointer.save` before it returned."""
@@ -85,9 +93,35 @@ class SaveHandle:
     has, and for a save that failed before staging): in snapshot mode the copy out of the
     live tensors, in fence mode about the whole write."""
 
+    _views: dict[str, asyncio.Future[Any]] = field(default_factory=dict, repr=False)
+
+    @property
+    def staged(self) -> asyncio.Future[None]:
+        return self._view("staged", self._staged)
+
+    @property
+    def done(self) -> asyncio.Future[SaveInfo | None]:
+        return self._view("done", self._done)
+
+    def _view(self, name: str, own: asyncio.Future[T]) -> asyncio.Future[T]:
+        return caller_view(self._views, name, own)
+
     async def wait(self) -> SaveInfo | None:
         """Wait until durable; the `SaveInfo` (``None`` for a skipped save)."""
         return await self.done
+
+
+def caller_view(
+    views: dict[str, asyncio.Future[Any]], name: str, own: asyncio.Future[T]
+) -> asyncio.Future[T]:
+    """The caller's view of ``own``, a future the library settles: cancelling the view
+    ends the caller's wait only. One view while it lasts (``handle.done is handle.done``,
+    its callbacks kept), kept in ``views`` under ``name``; a new one once a caller has
+    cancelled it. A settled future is its own view."""
+    view = views.get(name)
+    if view is None or view.cancelled():
+        view = views[name] = asyncio.shield(own)
+    return view
 
 
 def _resolve(fut: asyncio.Future[Any], value: Any) -> None:
@@ -236,8 +270,8 @@ class Checkpointer:
         if self._slots.locked() and self.on_busy == "skip":
             log.info("aiopersist: a save is still running; skipping the save to %s", target)
             handle = SaveHandle(target, loop.create_future(), loop.create_future(), skipped=True)
-            _resolve(handle.staged, None)
-            _resolve(handle.done, None)
+            _resolve(handle._staged, None)
+            _resolve(handle._done, None)
             return handle
         try:
             await self._slots.acquire()
@@ -275,20 +309,20 @@ class Checkpointer:
             if not fut.cancelled() and fut.exception() is None:
                 handle.staged_seconds = loop.time() - start
 
-        handle.staged.add_done_callback(staged_at)
+        handle._staged.add_done_callback(staged_at)
         task = asyncio.ensure_future(
             self._run(handle, slot, flat, metadata, overwrite, where, extra_files, ready, extras, total)
         )
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._finished(t, handle, slot))
-        self._handles = [h for h in self._handles if not h.done.done()] + [handle]
+        self._handles = [h for h in self._handles if not h._done.done()] + [handle]
         handle.blocked_seconds = loop.time() - start
         return handle
 
     async def fence(self) -> None:
         """Wait until every save in flight is staged (the tensors may be mutated again)."""
         for handle in list(self._handles):
-            await asyncio.wait([handle.staged])
+            await asyncio.wait([handle._staged])
 
     async def wait(self) -> None:
         """Wait until every save in flight is durable (errors stay on their handles), and
@@ -399,7 +433,7 @@ class Checkpointer:
                         raise
                     flat = exc  # the other ranks hear of it at the first exchange, as of a flattening's
                 else:
-                    _resolve(handle.staged, None)
+                    _resolve(handle._staged, None)
             info = await save_state(
                 self._backend,
                 self.pool,
@@ -410,7 +444,7 @@ class Checkpointer:
                 metadata=metadata,
                 overwrite=overwrite,
                 max_shard_bytes=self._max_shard,
-                staged=lambda: _resolve(handle.staged, None),
+                staged=lambda: _resolve(handle._staged, None),
                 discard=replaced.append,
                 extra_files=extra_files,
             )
@@ -431,13 +465,13 @@ class Checkpointer:
                 # The checkpoint this one replaced is deleted after `done`, off its clock.
                 self._cleanup(replaced)
         if error is None:
-            _resolve(handle.staged, None)
-            _resolve(handle.done, info)
+            _resolve(handle._staged, None)
+            _resolve(handle._done, info)
             return
-        _fail(handle.staged, error)
-        _fail(handle.done, error)
+        _fail(handle._staged, error)
+        _fail(handle._done, error)
         # The error is the caller's, on the handle; seen here so asyncio does not log it.
-        for fut in (handle.staged, handle.done):
+        for fut in (handle._staged, handle._done):
             if fut.done() and not fut.cancelled():
                 fut.exception()
         if not isinstance(error, Exception):
@@ -456,8 +490,8 @@ class Checkpointer:
         self._tasks.discard(task)
         slot.release()
         if task.cancelled():
-            _fail(handle.staged, asyncio.CancelledError())
-            _fail(handle.done, asyncio.CancelledError())
+            _fail(handle._staged, asyncio.CancelledError())
+            _fail(handle._done, asyncio.CancelledError())
 
     def _check_budget(self, flat: Flattened, extras: _ExtraTensors) -> int:
         """The snapshot's size; `SnapshotBudgetError` if it is over ``snapshot_bytes``."""

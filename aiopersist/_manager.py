@@ -45,12 +45,12 @@ import traceback
 import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ._checkpointer import Checkpointer, Mode, SaveHandle
+from ._checkpointer import Checkpointer, Mode, SaveHandle, caller_view
 from ._commit import (
     fsync_directory,
     in_work_place,
@@ -541,7 +541,13 @@ class ManagedSaveHandle:
 
     step: int
     handle: SaveHandle
-    mirrored: asyncio.Future[str | None]
+    _mirrored: asyncio.Future[str | None] = field(repr=False)
+    _views: dict[str, asyncio.Future[Any]] = field(default_factory=dict, repr=False)
+
+    @property
+    def mirrored(self) -> asyncio.Future[str | None]:
+        """The caller's view, as ``staged`` and ``done`` (see `SaveHandle`)."""
+        return caller_view(self._views, "mirrored", self._mirrored)
 
     @property
     def staged(self) -> asyncio.Future[None]:
@@ -852,10 +858,10 @@ class CheckpointManager:
         return problem if not complete and damaged else None
 
     async def _after(self, managed: ManagedSaveHandle) -> None:
-        mirrored = managed.mirrored
+        mirrored = managed._mirrored
         try:
             try:
-                info = await asyncio.shield(managed.done)
+                info = await asyncio.shield(managed.handle._done)  # the save's own: never the caller's view
             except BaseException as exc:
                 self._writing.discard(managed.step)
                 _fail_quietly(mirrored, exc)

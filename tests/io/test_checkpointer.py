@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import sys
@@ -605,3 +606,26 @@ async def test_aclose_cancelled_at_every_turn_still_ends(backend_name: str, tmp_
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "closed 0"
     assert not (tmp_path / "ck").exists()  # cancelled: nothing published
+
+
+async def test_a_timed_out_wait_on_a_handle_leaves_the_handle_as_the_save_ends(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """``wait_for(handle.done, t)`` timing out (or any cancelled awaiter) cancelled the
+    handle's own futures: ``done`` and ``staged`` then said CancelledError for good though
+    the checkpoint was committed. Now each wait is the caller's own: the handle resolves
+    as the save does, and a cancelled view is replaced by a fresh one."""
+    async with aiopersist.Checkpointer(backend=backend_name) as ck:
+        handle = await ck.save(_state(), tmp_path / "ck")
+        first = handle.done
+        with pytest.raises(TimeoutError):  # the save has not run yet: nothing has resolved
+            await asyncio.wait_for(handle.done, 0)
+        assert first.cancelled()  # the view the wait cancelled ...
+        assert handle.done is not first  # ... is replaced
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(handle.staged, 0)
+        await handle.staged
+        info = await handle.done
+        assert info is not None
+        assert handle.done.result() is info
+    await aiopersist.verify(tmp_path / "ck", backend=backend_name)

@@ -5,6 +5,7 @@ comes and goes). Every I/O test runs on both backends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -106,6 +107,37 @@ async def test_retention_policies_local_and_mirror(tmp_path: Path, backend: str)
         assert _names(local) == ["step-2", "step-5"]
         # The mirror keeps the even steps, and the newest (never deleted, whatever the policy).
         assert _names(mirror) == ["step-2", "step-4", "step-5"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.asyncio
+async def test_a_wait_on_a_handle_that_times_out_changes_nothing_of_the_save(
+    tmp_path: Path, backend: str
+) -> None:
+    """``asyncio.wait_for(handle.done, t)`` timing out cancelled the save's own future: the
+    manager's retention and mirroring, which waited on it, never ran (every step kept
+    with ``keep_last=1``, no mirror), and the handle said CancelledError for good though
+    the step was committed (found by the cancellation helper). The caller's futures are
+    views now: a timed-out wait ends that wait only."""
+    local, mirror = tmp_path / "local", tmp_path / "shared"
+    async with aiopersist.CheckpointManager(local, keep_last=1, mirror=mirror, backend=backend) as mgr:
+        for step in range(3):
+            handle = await mgr.save(step, state_of(step))
+            for fut in (handle.staged, handle.done, handle.mirrored):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(fut, 0.0001)
+            assert handle.done is handle.done  # one view while it lasts
+            info = await handle.done
+            assert info is not None
+            assert info.path.endswith(f"step-{step}")
+            assert await handle.mirrored == str(mirror / f"step-{step}")
+        await mgr.wait()
+        assert _names(local) == ["step-2"]
+        assert _names(mirror) == ["step-0", "step-1", "step-2"]
+    with aiopersist.BlockingCheckpointManager(local, backend=backend) as blocking:
+        handle = blocking.save(3, state_of(3))
+        assert handle.wait() is not None  # a blocking wait on the same kind of handle
+        assert blocking.latest() == 3
 
 
 def test_retention_and_its_shorthands_are_exclusive(tmp_path: Path) -> None:
