@@ -268,6 +268,9 @@ class _OnPortal:
 
     def _start(self, make: Callable[[], Awaitable[Any]]) -> Any:
         _register_exit_hook()
+        self._closed_over = threading.Event()
+        """Set once the first close (or the exit's) has ended: a close from another
+        thread meanwhile waits for it."""
         self._loop_thread = _LoopThread(f"aiopersist-{type(self).__name__}")
         self._portal = self._loop_thread.portal
         try:
@@ -282,9 +285,18 @@ class _OnPortal:
     def _aclose(self) -> Awaitable[None]:
         raise NotImplementedError
 
+    def _wait_closed(self) -> None:
+        """A close made while another runs (in another thread) waits for it: returning at
+        once would tell its caller that the saves in flight were durable."""
+        over = getattr(self, "_closed_over", None)
+        if over is not None and threading.current_thread() is not self._loop_thread.thread:
+            over.wait()
+
     def close(self) -> None:
-        """Finish what is in flight, release everything, stop the background loop."""
+        """Finish what is in flight, release everything, stop the background loop. A
+        second ``close`` while the first runs waits for it."""
         if self._closed:
+            self._wait_closed()
             return
         self._closed = True
         _open_facades.discard(self)
@@ -295,6 +307,8 @@ class _OnPortal:
             # gets a bounded time for it; what still runs then is left to its daemon thread.
             self._loop_thread.stop(timeout=_EXIT_CANCEL_SECONDS)
             raise
+        finally:
+            self._closed_over.set()
         self._loop_thread.stop()
 
     def _close_at_exit(self, grace: float, *, interpreter_exit: bool = False) -> None:
@@ -309,6 +323,12 @@ class _OnPortal:
             return
         self._closed = True
         _open_facades.discard(self)
+        try:
+            self._end_at_exit(grace, interpreter_exit)
+        finally:
+            self._closed_over.set()
+
+    def _end_at_exit(self, grace: float, interpreter_exit: bool) -> None:
         finished = threading.Event()
 
         async def close() -> None:

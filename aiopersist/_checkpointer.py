@@ -117,11 +117,36 @@ def caller_view(
     """The caller's view of ``own``, a future the library settles: cancelling the view
     ends the caller's wait only. One view while it lasts (``handle.done is handle.done``,
     its callbacks kept), kept in ``views`` under ``name``; a new one once a caller has
-    cancelled it. A settled future is its own view."""
+    cancelled it. A settled future is its own view (at once: a view learns of it a turn
+    of the loop later)."""
     view = views.get(name)
-    if view is None or view.cancelled():
+    if view is None or view.cancelled() or (own.done() and view is not own):
         view = views[name] = asyncio.shield(own)
     return view
+
+
+class OneClose:
+    """The close of an object that closes once: the first ``aclose`` does the work
+    (`begin` is true for it, and it calls `end`); one made while that runs waits for it
+    to end (`wait`: a wait that is cancelled ends only itself), since returning at once
+    would tell its caller that the saves in flight were durable; one made after returns."""
+
+    def __init__(self) -> None:
+        self._over: asyncio.Future[None] | None = None
+
+    def begin(self) -> bool:
+        if self._over is not None:
+            return False
+        self._over = asyncio.get_running_loop().create_future()
+        return True
+
+    def end(self) -> None:
+        if self._over is not None and not self._over.done():
+            self._over.set_result(None)
+
+    async def wait(self) -> None:
+        if self._over is not None and not self._over.done():
+            await asyncio.shield(self._over)
 
 
 def _resolve(fut: asyncio.Future[Any], value: Any) -> None:
@@ -201,6 +226,7 @@ class Checkpointer:
         # and gives it back once its write is over, never while it is being written from.
         self._snapshots: list[AlignedBuffer] = []
         self._closed = False
+        self._closing = OneClose()
         self._released = False
 
     # -- the API ---------------------------------------------------------------------------
@@ -339,8 +365,10 @@ class Checkpointer:
         """Let the saves in flight finish, then release the ring, the pool and the snapshot.
 
         If the caller is cancelled meanwhile, the saves in flight are cancelled (none
-        leaves a final directory) and waited for before anything is released."""
-        if self._closed:
+        leaves a final directory) and waited for before anything is released. A second
+        ``aclose`` while the first runs waits for it."""
+        if not self._closing.begin():
+            await self._closing.wait()
             return
         self._closed = True
         try:
@@ -350,16 +378,23 @@ class Checkpointer:
                 await self._cancel_all()
                 raise
         finally:
-            await self._release()
+            try:
+                await self._release()
+            finally:
+                self._closing.end()
 
     async def _abort(self) -> None:
         """Close now: cancel the saves in flight (none leaves a final directory), wait for
         them to end, release everything."""
+        self._closing.begin()
         self._closed = True
         try:
             await self._cancel_all()
         finally:
-            await self._release()
+            try:
+                await self._release()
+            finally:
+                self._closing.end()
 
     async def _cancel_all(self) -> None:
         # The tasks not done yet: a done one leaves ``_tasks`` only when its done callback

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ._checkpointer import Checkpointer, Mode, SaveHandle, caller_view
+from ._checkpointer import Checkpointer, Mode, OneClose, SaveHandle, caller_view
 from ._commit import (
     fsync_directory,
     in_work_place,
@@ -654,6 +654,7 @@ class CheckpointManager:
         spares them (`_unmirrored`) until the next pass has tried them again."""
         self._mirror_lock: asyncio.Lock | None = None
         self._closed = False
+        self._closing = OneClose()
         self._locks: list[DirectoryLock] = []
         self.restored_step: int | None = None
         """The step the last `restore` loaded."""
@@ -1235,8 +1236,10 @@ class CheckpointManager:
     @maps_os_errors("CheckpointManager.aclose")
     async def aclose(self) -> None:
         """Finish what is in flight (saves, retention, mirror), then release the
-        checkpointer if the manager made it."""
-        if self._closed:
+        checkpointer if the manager made it. A second ``aclose`` while the first runs
+        waits for it."""
+        if not self._closing.begin():
+            await self._closing.wait()
             return
         self._closed = True
         try:
@@ -1256,6 +1259,7 @@ class CheckpointManager:
                     await self.checkpointer.aclose()
             finally:
                 self._unlock()
+                self._closing.end()
 
     async def __aenter__(self) -> CheckpointManager:
         return self

@@ -629,3 +629,41 @@ async def test_a_timed_out_wait_on_a_handle_leaves_the_handle_as_the_save_ends(
         assert info is not None
         assert handle.done.result() is info
     await aiopersist.verify(tmp_path / "ck", backend=backend_name)
+
+
+async def test_a_second_aclose_while_the_first_runs_waits_for_it(backend_name: str, tmp_path: Path) -> None:
+    """Two ``aclose`` at once (a shutdown path and an ``async with``, say): the second
+    returned at once, while the saves in flight were not yet durable (found by the
+    cancellation helper). Now it waits for the first; after, a close returns at once.
+    The same for a manager, and for the blocking facades' ``close`` from two threads."""
+    state = {f"t{i}": torch.randn(4 << 20) for i in range(4)}  # 64 MiB
+    ck = aiopersist.Checkpointer(backend=backend_name)
+    handle = await ck.save(state, tmp_path / "a")
+    first = asyncio.ensure_future(ck.aclose())
+    await asyncio.sleep(0)
+    await ck.aclose()
+    assert handle.done.done()
+    await first
+    await ck.aclose()
+
+    mgr = aiopersist.CheckpointManager(tmp_path / "run", backend=backend_name)
+    managed = await mgr.save(1, state)
+    first = asyncio.ensure_future(mgr.aclose())
+    await asyncio.sleep(0)
+    await mgr.aclose()
+    assert managed.done.done()
+    await first
+
+    blocking = aiopersist.BlockingCheckpointer(backend=backend_name)
+    bhandle = blocking.save(state, tmp_path / "b")
+    closer = threading.Thread(target=blocking.close)
+    closer.start()
+    for _ in range(10_000):  # until the first close has begun
+        if blocking._closed:
+            break
+        await asyncio.sleep(0.001)
+    await asyncio.to_thread(blocking.close)
+    assert bhandle.done()
+    closer.join()
+    for path in ("a", "b", "run/step-1"):
+        await aiopersist.verify(tmp_path / path, backend=backend_name)
