@@ -24,6 +24,7 @@ import contextlib
 import copy
 import io
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeVar, cast
@@ -149,6 +150,30 @@ class OneClose:
             await asyncio.shield(self._over)
 
 
+class OwnLoop:
+    """The event loop an object belongs to: the first one it is used on. Its asyncio
+    parts (the slots, the tasks, the ring) work on that loop alone: used from another at
+    the same time, a save waited on a semaphore that the first loop's thread released
+    without waking it, for good. `check` raises ``RuntimeError`` instead, as the
+    backends do."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._guard = threading.Lock()  # two threads' first calls at once
+
+    def check(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._guard:
+            if self._loop is None:
+                self._loop = loop
+            elif self._loop is not loop:
+                raise RuntimeError(
+                    f"a {self._what} belongs to the event loop it was first used on; "
+                    f"make one per event loop (thread)"
+                )
+
+
 def _resolve(fut: asyncio.Future[Any], value: Any) -> None:
     if not fut.done():
         fut.set_result(value)
@@ -227,6 +252,7 @@ class Checkpointer:
         self._snapshots: list[AlignedBuffer] = []
         self._closed = False
         self._closing = OneClose()
+        self._loop = OwnLoop("Checkpointer")
         self._released = False
 
     # -- the API ---------------------------------------------------------------------------
@@ -269,6 +295,7 @@ class Checkpointer:
         events instead (device index -> ``torch.cuda.Event``), for a state produced on
         other streams; devices it leaves out get an event here.
         """
+        self._loop.check()
         # A failure of this rank before its first exchange is told to the others there
         # (fail_together), rather than leave them waiting.
         coord = coordinator(group)
@@ -347,6 +374,7 @@ class Checkpointer:
 
     async def fence(self) -> None:
         """Wait until every save in flight is staged (the tensors may be mutated again)."""
+        self._loop.check()
         for handle in list(self._handles):
             await asyncio.wait([handle._staged])
 
@@ -354,6 +382,7 @@ class Checkpointer:
         """Wait until every save in flight is durable (errors stay on their handles), and
         the deletions of the checkpoints they replaced are over. Saves started meanwhile
         are not waited for."""
+        self._loop.check()
         saves = [t for t in self._tasks if t not in self._deletions]
         if saves:
             await asyncio.wait(saves)
@@ -367,6 +396,7 @@ class Checkpointer:
         If the caller is cancelled meanwhile, the saves in flight are cancelled (none
         leaves a final directory) and waited for before anything is released. A second
         ``aclose`` while the first runs waits for it."""
+        self._loop.check()
         if not self._closing.begin():
             await self._closing.wait()
             return

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ._checkpointer import Checkpointer, Mode, OneClose, SaveHandle, caller_view
+from ._checkpointer import Checkpointer, Mode, OneClose, OwnLoop, SaveHandle, caller_view
 from ._commit import (
     fsync_directory,
     in_work_place,
@@ -655,6 +655,7 @@ class CheckpointManager:
         self._mirror_lock: asyncio.Lock | None = None
         self._closed = False
         self._closing = OneClose()
+        self._loop = OwnLoop("CheckpointManager")
         self._locks: list[DirectoryLock] = []
         self.restored_step: int | None = None
         """The step the last `restore` loaded."""
@@ -777,6 +778,7 @@ class CheckpointManager:
         """Start saving ``state`` as step ``step``; returns once the save is started (see
         `Checkpointer.save`). Retention and the mirror follow the commit, in the
         background."""
+        self._loop.check()
         try:
             if self._closed:
                 raise ClosedError("the CheckpointManager is closed")
@@ -1117,6 +1119,9 @@ class CheckpointManager:
         mismatched ``into``), or the restore cancelled on one rank, makes every rank
         raise, the others `RankFailedError`.
         """
+        self._loop.check()
+        if self._closed:
+            raise ClosedError("the CheckpointManager is closed")
         coord = coordinator(group)
         backend = kwargs.pop("backend", self._backend)
         tiers = self.directory + (f" or {self.mirror}" if self.mirror else "")
@@ -1229,6 +1234,7 @@ class CheckpointManager:
     @maps_os_errors("CheckpointManager.wait")
     async def wait(self) -> None:
         """Wait for the saves in flight, their retention and their mirroring."""
+        self._loop.check()
         await self.checkpointer.wait()
         while pending := [t for t in self._tasks if not t.done()]:
             await asyncio.wait(pending)
@@ -1238,6 +1244,7 @@ class CheckpointManager:
         """Finish what is in flight (saves, retention, mirror), then release the
         checkpointer if the manager made it. A second ``aclose`` while the first runs
         waits for it."""
+        self._loop.check()
         if not self._closing.begin():
             await self._closing.wait()
             return

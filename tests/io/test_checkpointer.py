@@ -667,3 +667,52 @@ async def test_a_second_aclose_while_the_first_runs_waits_for_it(backend_name: s
     closer.join()
     for path in ("a", "b", "run/step-1"):
         await aiopersist.verify(tmp_path / path, backend=backend_name)
+
+
+async def test_one_checkpointer_from_two_event_loops_at_once_is_refused(
+    backend_name: str, tmp_path: Path
+) -> None:
+    """A `Checkpointer` (or manager) used from two threads' event loops at once: the
+    second save waited for good on a slot the first loop's thread released without
+    waking it (found by the cancellation helper). Now it belongs to the loop it was first
+    used on, and another loop gets ``RuntimeError`` at once (as a backend does)."""
+    state = {"w": torch.randn(4 << 20)}
+    ck = aiopersist.Checkpointer(backend=backend_name)
+    mgr = aiopersist.CheckpointManager(tmp_path / "run", backend=backend_name)
+    first_saved = threading.Event()
+    release = threading.Event()
+
+    async def first() -> None:  # another thread's loop, held open meanwhile
+        await (await ck.save(state, tmp_path / "a")).done
+        await (await mgr.save(1, state)).done
+        first_saved.set()
+        await asyncio.to_thread(release.wait, 60)
+        await ck.aclose()
+        await mgr.aclose()
+
+    thread = threading.Thread(target=lambda: asyncio.run(first()))
+    thread.start()
+    errors: list[BaseException] = []
+    try:
+        assert await asyncio.to_thread(first_saved.wait, 60)
+        for call in (
+            lambda: ck.save(state, tmp_path / "b"),
+            ck.wait,
+            ck.aclose,
+            lambda: mgr.save(2, state),
+            mgr.restore,
+            mgr.aclose,
+        ):
+            try:
+                await asyncio.wait_for(call(), 30)  # a hang fails the test, not the suite
+            except BaseException as exc:
+                errors.append(exc)
+    finally:
+        release.set()
+        await asyncio.to_thread(thread.join, 60)
+    assert len(errors) == 6
+    for exc in errors:
+        assert isinstance(exc, RuntimeError), repr(exc)
+        assert "belongs to the event loop it was first used on" in str(exc)
+    assert not (tmp_path / "b").exists()
+    assert sorted(os.listdir(tmp_path / "run")) == [".aiopersist-manager.lock", "step-1"]
