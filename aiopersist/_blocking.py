@@ -25,6 +25,7 @@ from anyio.from_thread import BlockingPortal
 
 from . import _knobs
 from ._checkpointer import Checkpointer, Mode, OnBusy, SaveHandle
+from ._exceptions import ClosedError
 from ._load import load
 from ._locate import PathArg
 from ._manager import CheckpointManager, ManagedSaveHandle
@@ -137,6 +138,45 @@ async def _await(fut: Any) -> Any:
     return await asyncio.shield(fut)
 
 
+def _call(portal: BlockingPortal, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``portal.call(fn, *args)`` for the facades, as their async twins behave under
+    ``asyncio.run``: a wait interrupted in this thread (Ctrl-C) cancels the call and
+    gives it `_EXIT_CANCEL_SECONDS` to end (its own cleanup: a cancelled save removes
+    what it wrote, a cancelled ``restore(into=...)`` ends its copy into the target)
+    before the interruption goes on; the call went on in the background while the
+    caller's handler ran. A portal that has stopped (the facade closed) raises
+    `ClosedError`, not anyio's ``RuntimeError``."""
+    finished = threading.Event()
+
+    async def run() -> T:
+        try:
+            return await fn(*args)
+        finally:
+            finished.set()
+
+    try:
+        fut = portal.start_task_soon(run)
+    except RuntimeError as exc:  # anyio: "This portal is not running"
+        raise ClosedError("closed: its event loop has stopped") from exc
+    try:
+        return fut.result()
+    except BaseException:
+        if not fut.done():  # interrupted here, not the call's own error
+            fut.cancel()
+            finished.wait(_EXIT_CANCEL_SECONDS)
+        raise
+
+
+def _outcome(portal: BlockingPortal, fut: asyncio.Future[T]) -> T:
+    """What ``fut`` (settled on the loop) gives: read here once it is settled (a save
+    handle after its facade was closed: the loop is gone, the outcome is not), else
+    waited for on the loop."""
+    if fut.done():
+        return fut.result()
+    result: T = _call(portal, _await, fut)
+    return result
+
+
 class BlockingSaveHandle:
     """A save in progress, seen from a synchronous thread."""
 
@@ -164,11 +204,11 @@ class BlockingSaveHandle:
 
     def wait_staged(self) -> None:
         """Block until the saved tensors may be mutated again (the fence)."""
-        self._portal.call(_await, self.handle._staged)
+        _outcome(self._portal, self.handle._staged)
 
     def wait(self) -> SaveInfo | None:
         """Block until the checkpoint is durable; its `SaveInfo` (``None`` if skipped)."""
-        result: SaveInfo | None = self._portal.call(_await, self.handle._done)
+        result: SaveInfo | None = _outcome(self._portal, self.handle._done)
         return result
 
     def staged(self) -> bool:
@@ -284,6 +324,12 @@ class _OnPortal:
 
     def _aclose(self) -> Awaitable[None]:
         raise NotImplementedError
+
+    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """`_call` on this facade's loop; `ClosedError` once it is closed."""
+        if self._closed:
+            raise ClosedError(f"the {type(self).__name__} is closed")
+        return _call(self._portal, fn, *args)
 
     def _wait_closed(self) -> None:
         """A close made while another runs (in another thread) waits for it: returning at
@@ -427,7 +473,7 @@ class BlockingCheckpointer(_OnPortal):
         CUDA tensors are read as they are on this thread's current stream of the current
         device at this call (``cuda_ready`` as for `Checkpointer.save`)."""
         ready = caller_cuda_ready() if cuda_ready is None else cuda_ready  # here, not in the loop's thread
-        handle = self._portal.call(
+        handle = self._call(
             functools.partial(
                 self.checkpointer.save,
                 state,
@@ -445,11 +491,11 @@ class BlockingCheckpointer(_OnPortal):
 
     def fence(self) -> None:
         """Block until every save in flight is staged."""
-        self._portal.call(self.checkpointer.fence)
+        self._call(self.checkpointer.fence)
 
     def wait(self) -> None:
         """Block until every save in flight is durable."""
-        self._portal.call(self.checkpointer.wait)
+        self._call(self.checkpointer.wait)
 
     def _aclose(self) -> Awaitable[None]:
         return self.checkpointer.aclose()
@@ -473,7 +519,7 @@ class BlockingManagedSaveHandle(BlockingSaveHandle):
     def wait_mirrored(self) -> str | None:
         """Block until the mirror has the step: its path there (``None`` without a
         mirror); raises why the mirror could not take it."""
-        result: str | None = self._portal.call(_await, self.managed._mirrored)
+        result: str | None = _outcome(self._portal, self.managed._mirrored)
         return result
 
 
@@ -523,7 +569,7 @@ class BlockingCheckpointManager(_OnPortal):
         """Start saving step ``step``; see `CheckpointManager.save` (CUDA tensors as for
         `BlockingCheckpointer.save`)."""
         ready = caller_cuda_ready() if cuda_ready is None else cuda_ready
-        managed = self._portal.call(
+        managed = self._call(
             functools.partial(
                 self.manager.save,
                 step,
@@ -551,11 +597,11 @@ class BlockingCheckpointManager(_OnPortal):
 
     def restore(self, step: int | None = None, *, into: object = None, **kwargs: Any) -> Any:
         """Block while `CheckpointManager.restore` loads the step."""
-        return self._portal.call(functools.partial(self.manager.restore, step, into=into, **kwargs))
+        return self._call(functools.partial(self.manager.restore, step, into=into, **kwargs))
 
     def wait(self) -> None:
         """Block until the saves in flight, their retention and mirroring are over."""
-        self._portal.call(self.manager.wait)
+        self._call(self.manager.wait)
 
     def _aclose(self) -> Awaitable[None]:
         return self.manager.aclose()

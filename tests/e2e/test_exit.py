@@ -372,3 +372,58 @@ def test_ctrl_c_during_save_sync_cancels_the_save_and_leaves_nothing(tmp_path: P
     assert rc == -2, (rc, err)
     assert "KeyboardInterrupt" in err
     assert sorted(os.listdir(tmp_path)) == []  # no checkpoint, no temporary directory
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ctrl_c_during_a_blocking_restore_cancels_it_before_the_interrupt_goes_on(
+    tmp_path: Path, backend: str
+) -> None:
+    """Ctrl-C while ``BlockingCheckpointManager.restore(into=...)`` copies into the target:
+    ``KeyboardInterrupt`` reached the caller while the restore went on in the background
+    loop, changing the target under the caller's handler (found by the cancellation
+    helper). Now the interrupted call is cancelled and ends first, as ``save_sync`` and
+    ``asyncio.run`` do: the target no longer changes once the interrupt is raised."""
+    if backend == "io_uring" and not URING_OK:
+        pytest.skip("io_uring unavailable")
+    rc, err = _run(
+        f"""
+        import os, signal, sys, threading, time, aiopersist, torch
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+        state = {{f"t{{i:02d}}": torch.full((1 << 20,), float(i + 1)) for i in range(48)}}
+
+        def loaded(target):
+            return sum(1 for v in target.values() if v[-1].item() != 0)
+
+        with aiopersist.BlockingCheckpointManager({str(tmp_path / "run")!r}, backend={backend!r}) as mgr:
+            mgr.save(0, state).wait()
+            for attempt in range(20):  # until the interrupt lands during the copy
+                target = {{k: torch.zeros_like(v) for k, v in state.items()}}
+                fired = []
+
+                def interrupt():
+                    for _ in range(200_000):
+                        n = loaded(target)
+                        if n:
+                            fired.append(n)  # how far the copy was when Ctrl-C came
+                            os.kill(os.getpid(), signal.SIGINT)
+                            return
+                        time.sleep(0.00005)
+
+                threading.Thread(target=interrupt, daemon=True).start()
+                try:
+                    mgr.restore(into=target)
+                    time.sleep(0.5)  # an interrupt that came late lands here
+                except KeyboardInterrupt:
+                    seen = loaded(target)
+                    time.sleep(0.3)
+                    if loaded(target) != seen:
+                        sys.exit(f"the target changed after Ctrl-C: {{seen}} -> {{loaded(target)}}")
+                    if fired and fired[0] < len(state):
+                        sys.exit(0)  # interrupted mid-copy, and nothing changed after
+        sys.exit(3)  # never interrupted mid-copy
+        """
+    )
+    if rc == 3:
+        pytest.skip("no interrupt landed during the copy in 20 tries")
+    assert rc == 0, err
