@@ -156,7 +156,9 @@ def _call(portal: BlockingPortal, fn: Callable[..., Awaitable[T]], *args: Any) -
 
     try:
         fut = portal.start_task_soon(run)
-    except RuntimeError as exc:  # anyio: "This portal is not running"
+    except RuntimeError as exc:
+        if "not running" not in str(exc):  # anyio's words for a portal that has stopped
+            raise
         raise ClosedError("closed: its event loop has stopped") from exc
     try:
         return fut.result()
@@ -171,6 +173,8 @@ def _outcome(portal: BlockingPortal, fut: asyncio.Future[T]) -> T:
     """What ``fut`` (settled on the loop) gives: read here once it is settled (a save
     handle after its facade was closed: the loop is gone, the outcome is not), else
     waited for on the loop."""
+    if fut.cancelled():  # asyncio's CancelledError is a BaseException: not in sync code
+        raise concurrent.futures.CancelledError("the save was cancelled (its facade closed while it ran)")
     if fut.done():
         return fut.result()
     result: T = _call(portal, _await, fut)
@@ -305,6 +309,7 @@ class _OnPortal:
 
     _portal: BlockingPortal
     _closed = True
+    _closing_thread: threading.Thread | None = None
 
     def _start(self, make: Callable[[], Awaitable[Any]]) -> Any:
         _register_exit_hook()
@@ -335,7 +340,10 @@ class _OnPortal:
         """A close made while another runs (in another thread) waits for it: returning at
         once would tell its caller that the saves in flight were durable."""
         over = getattr(self, "_closed_over", None)
-        if over is not None and threading.current_thread() is not self._loop_thread.thread:
+        here = threading.current_thread()
+        # Not on the loop's thread, nor on the thread of the close that runs (a signal
+        # handler's close on top of it): either would wait for itself.
+        if over is not None and here not in (self._loop_thread.thread, self._closing_thread):
             over.wait()
 
     def close(self) -> None:
@@ -345,6 +353,7 @@ class _OnPortal:
             self._wait_closed()
             return
         self._closed = True
+        self._closing_thread = threading.current_thread()
         _open_facades.discard(self)
         try:
             self._portal.call(self._aclose)
@@ -368,6 +377,7 @@ class _OnPortal:
         if self._closed:
             return
         self._closed = True
+        self._closing_thread = threading.current_thread()
         _open_facades.discard(self)
         try:
             self._end_at_exit(grace, interpreter_exit)

@@ -25,7 +25,7 @@ import copy
 import io
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeVar, cast
 
@@ -117,13 +117,20 @@ def caller_view(
 ) -> asyncio.Future[T]:
     """The caller's view of ``own``, a future the library settles: cancelling the view
     ends the caller's wait only. One view while it lasts (``handle.done is handle.done``,
-    its callbacks kept), kept in ``views`` under ``name``; a new one once a caller has
-    cancelled it. A settled future is its own view (at once: a view learns of it a turn
-    of the loop later)."""
+    its callbacks kept, so that it can be kept in a set), kept in ``views`` under
+    ``name``; a new one once a caller has cancelled it. A view made once ``own`` is
+    settled is ``own`` itself."""
     view = views.get(name)
-    if view is None or view.cancelled() or (own.done() and view is not own):
+    if view is None or view.cancelled():
         view = views[name] = asyncio.shield(own)
+        if view is not own:
+            view.add_done_callback(_seen)  # the error is the caller's on ``own``: no log for a copy
     return view
+
+
+def _seen(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 class OneClose:
@@ -151,27 +158,50 @@ class OneClose:
 
 
 class OwnLoop:
-    """The event loop an object belongs to: the first one it is used on. Its asyncio
-    parts (the slots, the tasks, the ring) work on that loop alone: used from another at
-    the same time, a save waited on a semaphore that the first loop's thread released
-    without waking it, for good. `check` raises ``RuntimeError`` instead, as the
-    backends do."""
+    """The event loop an object's work runs on. Its asyncio parts (the slots, the tasks,
+    the ring) work on one loop at a time: used from another loop while saves run on the
+    first, a save waited on a semaphore that the first loop's thread released without
+    waking it, for good. A call from another loop while the object is busy on its own
+    (``busy()``, or a `call` in progress there) raises ``RuntimeError`` at once; once it
+    is idle, the object goes with the loop of its next call (an ``aclose`` in a loop of
+    its own after the first loop ended; a save there still meets the I/O backend, which
+    stays with the loop it was made on)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, busy: Callable[[], bool]) -> None:
         self._what = what
+        self._busy = busy
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._guard = threading.Lock()  # two threads' first calls at once
+        self._calls = 0
+        self._guard = threading.Lock()  # two threads' calls at once
 
     def check(self) -> None:
+        self._claim(0)
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Around a call that makes the object busy (a save, until its task exists)."""
+        self._claim(1)
+        try:
+            yield
+        finally:
+            with self._guard:
+                self._calls -= 1
+
+    def _claim(self, calls: int) -> None:
         loop = asyncio.get_running_loop()
         with self._guard:
-            if self._loop is None:
-                self._loop = loop
-            elif self._loop is not loop:
+            if self._loop is not None and self._loop is not loop and (self._calls or self._busy()):
                 raise RuntimeError(
-                    f"a {self._what} belongs to the event loop it was first used on; "
-                    f"make one per event loop (thread)"
+                    f"this {self._what} is in use on another event loop (its work in flight runs "
+                    "there); use one per event loop (thread), or wait until its work is over"
                 )
+            self._loop = loop
+            self._calls += calls
+
+
+def pending(tasks: Iterable[asyncio.Future[Any]]) -> bool:
+    """Whether any of ``tasks`` is not over (read from any thread)."""
+    return any(not t.done() for t in list(tasks))
 
 
 def _resolve(fut: asyncio.Future[Any], value: Any) -> None:
@@ -252,7 +282,7 @@ class Checkpointer:
         self._snapshots: list[AlignedBuffer] = []
         self._closed = False
         self._closing = OneClose()
-        self._loop = OwnLoop("Checkpointer")
+        self._loop = OwnLoop("Checkpointer", lambda: pending(self._tasks))
         self._released = False
 
     # -- the API ---------------------------------------------------------------------------
@@ -295,7 +325,32 @@ class Checkpointer:
         events instead (device index -> ``torch.cuda.Event``), for a state produced on
         other streams; devices it leaves out get an event here.
         """
-        self._loop.check()
+        with self._loop.call():
+            return await self._save(
+                state,
+                path,
+                metadata=metadata,
+                overwrite=overwrite,
+                allow_pickle=allow_pickle,
+                replicated=replicated,
+                group=group,
+                extra_files=extra_files,
+                cuda_ready=cuda_ready,
+            )
+
+    async def _save(
+        self,
+        state: object,
+        path: PathArg,
+        *,
+        metadata: Mapping[str, str] | None,
+        overwrite: bool,
+        allow_pickle: bool,
+        replicated: bool | Callable[[str], bool] | None,
+        group: Any,
+        extra_files: ExtraFiles | None,
+        cuda_ready: CudaReady | None,
+    ) -> SaveHandle:
         # A failure of this rank before its first exchange is told to the others there
         # (fail_together), rather than leave them waiting.
         coord = coordinator(group)

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ._checkpointer import Checkpointer, Mode, OneClose, OwnLoop, SaveHandle, caller_view
+from ._checkpointer import Checkpointer, Mode, OneClose, OwnLoop, SaveHandle, caller_view, pending
 from ._commit import (
     fsync_directory,
     in_work_place,
@@ -655,7 +655,7 @@ class CheckpointManager:
         self._mirror_lock: asyncio.Lock | None = None
         self._closed = False
         self._closing = OneClose()
-        self._loop = OwnLoop("CheckpointManager")
+        self._loop = OwnLoop("CheckpointManager", lambda: pending(self._tasks))
         self._locks: list[DirectoryLock] = []
         self.restored_step: int | None = None
         """The step the last `restore` loaded."""
@@ -778,7 +778,7 @@ class CheckpointManager:
         """Start saving ``state`` as step ``step``; returns once the save is started (see
         `Checkpointer.save`). Retention and the mirror follow the commit, in the
         background."""
-        self._loop.check()
+        self._check_loop()
         try:
             if self._closed:
                 raise ClosedError("the CheckpointManager is closed")
@@ -840,6 +840,12 @@ class CheckpointManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return managed
+
+    def _check_loop(self) -> None:
+        """`OwnLoop.check` of the manager and of its checkpointer (which may be busy on
+        another loop with saves of its own)."""
+        self.checkpointer._loop.check()
+        self._loop.check()
 
     def _replaceable(self, step: int, paths: list[str]) -> str | None:
         """Why the step already at ``paths`` may be replaced by a save of ``step`` without
@@ -1119,7 +1125,6 @@ class CheckpointManager:
         mismatched ``into``), or the restore cancelled on one rank, makes every rank
         raise, the others `RankFailedError`.
         """
-        self._loop.check()
         if self._closed:
             raise ClosedError("the CheckpointManager is closed")
         coord = coordinator(group)
@@ -1234,7 +1239,7 @@ class CheckpointManager:
     @maps_os_errors("CheckpointManager.wait")
     async def wait(self) -> None:
         """Wait for the saves in flight, their retention and their mirroring."""
-        self._loop.check()
+        self._check_loop()
         await self.checkpointer.wait()
         while pending := [t for t in self._tasks if not t.done()]:
             await asyncio.wait(pending)
@@ -1244,7 +1249,7 @@ class CheckpointManager:
         """Finish what is in flight (saves, retention, mirror), then release the
         checkpointer if the manager made it. A second ``aclose`` while the first runs
         waits for it."""
-        self._loop.check()
+        self._check_loop()
         if not self._closing.begin():
             await self._closing.wait()
             return

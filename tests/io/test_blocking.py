@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -85,3 +86,36 @@ def test_after_close_a_handle_gives_its_outcome_and_a_call_raises_closed_error(
         with pytest.raises(aiopersist.ClosedError):
             call()
     assert not (tmp_path / "d").exists()
+
+
+def test_a_close_on_the_closing_thread_returns_and_a_cancelled_save_raises_an_exception(
+    tmp_path: Path,
+) -> None:
+    """A second ``close`` on the thread already closing (a signal handler's, on top of
+    the first) returned at once before, and must not wait for itself (found by the review
+    helper: it hung). A handle of a save cancelled when its facade closed raises
+    ``concurrent.futures.CancelledError`` (an ``Exception``) from ``wait()``, not
+    asyncio's ``CancelledError``, a ``BaseException`` that sync code does not catch."""
+    import concurrent.futures
+    import signal
+
+    ck = aiopersist.BlockingCheckpointer(backend="threads")
+    handle = ck.save({"w": torch.randn(16 << 20)}, tmp_path / "c")
+    previous = signal.signal(signal.SIGUSR1, lambda *_: ck.close())
+    try:
+        timer = threading.Timer(0.01, lambda: os.kill(os.getpid(), signal.SIGUSR1))
+        timer.start()
+        ck.close()  # the handler's close runs on this thread, inside this one
+        timer.join()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert handle.done()
+    ck2 = aiopersist.BlockingCheckpointer(backend="threads")
+    handle2 = ck2.save({"w": torch.randn(32 << 20)}, tmp_path / "d")
+    ck2._close_at_exit(0.0)  # no grace: the save in flight is cancelled
+    try:
+        handle2.wait()
+    except concurrent.futures.CancelledError:
+        assert not (tmp_path / "d").exists()
+    else:
+        assert (tmp_path / "d").exists()  # it was over before the close: nothing to cancel
